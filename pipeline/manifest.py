@@ -1,0 +1,200 @@
+"""Run directories and their lineage manifest; the stage runner that records and caches each stage.
+
+Every stage reads files from the run directory and writes files into it. The manifest records, per stage, the
+config digest, the sha256 of every input and output, metrics and timings. A stage whose config digest and input
+hashes are unchanged, and whose outputs are still on disk unmodified, is not run again.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import platform
+import secrets
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Literal
+
+from pipeline.config import REPO_ROOT, Config, validate
+from pipeline.errors import PipelineError
+
+MANIFEST = "manifest.json"
+CONFIG_SNAPSHOT = "config.json"
+Status = Literal["done", "cached", "skipped"]
+
+
+@dataclass
+class StageResult:
+    """What a stage hands back: its status, outputs (paths relative to the run dir) and metrics."""
+
+    stage: str
+    status: Status
+    outputs: dict[str, str] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    reason: str = ""
+    """Why the stage was skipped or cached; empty when it ran."""
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file, read in chunks so large engines don't need to fit in memory."""
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write JSON atomically (temp file + rename): a crash never leaves half a manifest behind."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> Any:
+    """Read a JSON file written by the pipeline, turning a missing or corrupt one into a one-line error."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PipelineError(f"{path}: not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise PipelineError(f"{path}: corrupt JSON: {err}") from None
+
+
+def new_run_id() -> str:
+    """Sortable, unique run id: UTC timestamp plus a short random suffix."""
+    return dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
+
+
+def tool_versions() -> dict[str, str]:
+    """Versions that decide whether an artifact can be reproduced: Python, key packages, source commit."""
+    versions = {"python": platform.python_version()}
+    for pkg in ("edge-pipeline", "torch", "onnx", "onnxruntime", "safetensors"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            continue
+    commit = subprocess.run(
+        ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+    )
+    if commit.returncode == 0:
+        versions["source_commit"] = commit.stdout.strip()
+    return versions
+
+
+class RunDir:
+    """A run directory and its manifest."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    @property
+    def manifest_path(self) -> Path:
+        """Location of manifest.json."""
+        return self.path / MANIFEST
+
+    def manifest(self) -> dict[str, Any]:
+        """The manifest as a dict (an empty skeleton for a new run directory)."""
+        if not self.manifest_path.exists():
+            return {"run_id": self.path.name, "stages": {}}
+        return read_json(self.manifest_path)
+
+    def save_config(self, cfg: Config) -> None:
+        """Snapshot the resolved config so later per-stage commands reuse exactly what the run used."""
+        write_json(self.path / CONFIG_SNAPSHOT, cfg.model_dump(mode="json"))
+        manifest = self.manifest()
+        manifest.setdefault("created", dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
+        manifest["config"] = cfg.model_dump(mode="json")
+        manifest["versions"] = tool_versions()
+        write_json(self.manifest_path, manifest)
+
+    def load_config(self) -> Config:
+        """The config snapshot written when the run started."""
+        snapshot = self.path / CONFIG_SNAPSHOT
+        return validate(read_json(snapshot), str(snapshot))
+
+    def record(self, result: StageResult, entry: dict[str, Any]) -> None:
+        """Store a stage's result and lineage in the manifest."""
+        manifest = self.manifest()
+        manifest["stages"][result.stage] = {**asdict(result), **entry}
+        write_json(self.manifest_path, manifest)
+
+    def hashes(self, rel_paths: list[str]) -> dict[str, str]:
+        """sha256 of each path relative to the run dir; directories hash their sorted files."""
+        out: dict[str, str] = {}
+        for rel in rel_paths:
+            path = self.path / rel
+            files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+            for f in files:
+                if f.exists():
+                    out[str(f.relative_to(self.path))] = sha256_file(f)
+        return out
+
+
+def create_run_dir(cfg: Config, run_dir: Path | None) -> RunDir:
+    """Make (or reuse) the run directory and snapshot the config into it."""
+    path = run_dir or cfg.run.runs_root / new_run_id()
+    path.mkdir(parents=True, exist_ok=True)
+    run = RunDir(path)
+    run.save_config(cfg)
+    return run
+
+
+def _is_fresh(previous: dict[str, Any] | None, digest: str, inputs: dict[str, str], run: RunDir) -> bool:
+    if not previous or previous.get("status") not in ("done", "cached"):
+        return False
+    if previous.get("config_digest") != digest or previous.get("inputs") != inputs:
+        return False
+    outputs: dict[str, str] = previous.get("output_hashes", {})
+    return bool(outputs) and run.hashes(list(outputs)) == outputs
+
+
+def run_stage(
+    run: RunDir,
+    cfg: Config,
+    stage: str,
+    sections: tuple[str, ...],
+    inputs: list[str],
+    body: Callable[[], StageResult],
+    log: Callable[[str], None] = print,
+    external: dict[str, str] | None = None,
+    cacheable: bool = True,
+) -> StageResult:
+    """Run one stage with caching and lineage.
+
+    `sections` are the config tables the stage depends on, `inputs` the run-dir paths it reads, `external`
+    fingerprints of what lives outside the run dir (the dataset, a weights file). When all are unchanged since the
+    last successful run and its outputs are intact, `body` is not called. Stages whose truth lives elsewhere
+    (deploy: the devices) pass `cacheable=False`.
+    """
+    digest = cfg.digest(*sections)
+    missing = [rel for rel in inputs if not (run.path / rel).exists()]
+    if missing:
+        raise PipelineError(f"{stage}: missing input {run.path / missing[0]} (run the earlier stages first)")
+    input_hashes = {**run.hashes(inputs), **(external or {})}
+    previous = run.manifest()["stages"].get(stage)
+    if cacheable and _is_fresh(previous, digest, input_hashes, run):
+        assert previous is not None
+        log(f"[{stage}] cached: inputs and config unchanged since {previous['finished']}")
+        return StageResult(stage, "cached", previous["outputs"], previous["metrics"], "inputs and config unchanged")
+    started = time.perf_counter()
+    result = body()
+    seconds = round(time.perf_counter() - started, 3)
+    entry = {
+        "config_digest": digest,
+        "inputs": input_hashes,
+        "output_hashes": run.hashes(list(result.outputs.values())),
+        "seconds": seconds,
+        "finished": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    }
+    run.record(result, entry)
+    suffix = f": {result.reason}" if result.reason else ""
+    log(f"[{stage}] {result.status} in {seconds:.1f}s{suffix}")
+    return result
