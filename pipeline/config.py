@@ -69,7 +69,7 @@ class TrainConfig(Section):
     """Passes over the training split."""
     batch_size: int = Field(64, ge=1)
     """Global batch size: split evenly across all ranks."""
-    lr: float = Field(3e-3, gt=0.0)
+    lr: float = Field(1e-2, gt=0.0)
     """Peak learning rate of AdamW (cosine-decayed to zero)."""
     weight_decay: float = Field(1e-4, ge=0.0)
     """AdamW weight decay."""
@@ -93,7 +93,7 @@ class TrainConfig(Section):
 
 class ExportConfig(Section):
     opset: int = Field(18, ge=13, le=23)
-    """ONNX opset of the exported graph."""
+    """ONNX opset requested. The exporter raises anything below 18 to 18; the stage records what the file declares."""
     max_batch: int = Field(32, ge=1)
     """Largest batch of the dynamic batch axis (min is 1); also the `max` TensorRT profile shape."""
     opt_batch: int = Field(8, ge=1)
@@ -137,6 +137,10 @@ class DeployConfig(Section):
     """Local targets: directories that stand in for devices. SSH fleets come with the deploy issue."""
     keep_releases: int = Field(3, ge=2)
     """Releases kept on a target; `current` and `previous` are never pruned."""
+    health_atol: float = Field(1e-3, gt=0.0)
+    """Largest allowed |logits - stored logits| on `sample.npz` for the ONNX model and fp32 engines."""
+    health_atol_fp16: float = Field(1e-2, gt=0.0)
+    """The same bound for fp16 engines, whose rounding is larger (NVIDIA's guides use 1e-2)."""
 
     @model_validator(mode="after")
     def _unique_names(self) -> DeployConfig:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -89,13 +88,18 @@ def _synthetic(cfg: DataConfig, seed: int, channels: int) -> Splits:
     return _tensor_splits(_resize(x, cfg.image_size, channels), y, classes, cfg, seed)
 
 
+def check_source(cfg: DataConfig) -> None:
+    """Fail early, with one line, when the configured data cannot be read (before any rank starts)."""
+    if cfg.source == "imagefolder" and not (cfg.path and cfg.path.is_dir()):
+        raise PipelineError(f"data.path: {cfg.path} is not a directory")
+
+
 def _imagefolder(cfg: DataConfig, seed: int, channels: int) -> Splits:
     from torchvision import datasets, transforms
 
+    check_source(cfg)
     root = cfg.path
     assert root is not None  # enforced by DataConfig
-    if not root.is_dir():
-        raise PipelineError(f"data.path: {root} is not a directory")
     mean, std = (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else ((0.5,), (0.5,))
     steps = [transforms.Resize((cfg.image_size, cfg.image_size))]
     if channels == 1:

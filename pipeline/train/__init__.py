@@ -1,0 +1,65 @@
+"""The train stage: data-parallel training under torchrun, with epoch checkpoints and a metrics log.
+
+The stage itself runs in this process and only launches torchrun (:mod:`pipeline.train.launcher`); the ranks run
+:mod:`pipeline.train.worker`. Everything they produce lands under ``train/`` in the run directory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pipeline import data
+from pipeline.config import Config
+from pipeline.errors import PipelineError
+from pipeline.manifest import RunDir, StageResult, read_json, run_stage, sha256_file
+from pipeline.train import layout
+from pipeline.train.launcher import launch
+
+STAGE = "train"
+SECTIONS = ("run", "data", "model", "train")
+OUTPUTS = {
+    "metrics": layout.METRICS,
+    "checkpoint": layout.LATEST,
+    "dataset": layout.DATASET,
+    "summary": layout.SUMMARY,
+}
+SUMMARY_METRICS = ("val_accuracy", "epochs", "steps", "samples_per_s", "seconds")
+
+__all__ = ["launch", "run"]
+
+
+def fingerprints(cfg: Config) -> dict[str, str]:
+    """What the stage reads from outside the run dir: the dataset and, when set, the initial weights file."""
+    external = {"data": data.fingerprint(cfg.data)}
+    if cfg.model.weights is not None:
+        try:
+            external["weights"] = sha256_file(cfg.model.weights)
+        except OSError as err:
+            raise PipelineError(f"model.weights: {cfg.model.weights}: {err.strerror}") from None
+    return external
+
+
+def run(
+    cfg: Config,
+    run: RunDir,
+    log: Callable[[str], None] = print,
+    *,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+    nproc_per_node: int | None = None,
+) -> StageResult:
+    """Train (or resume training) into `run`'s train/ directory; cached when data, model and config are unchanged.
+
+    The keyword arguments place this node in a multi-node job (see :func:`launcher.launch`). Only node 0 holds
+    the outputs: other nodes report "done" with none, and are never cached, since they must join every run.
+    """
+
+    def body() -> StageResult:
+        launch(cfg, run.path, nnodes, node_rank, rdzv_endpoint, nproc_per_node)
+        if node_rank != 0:
+            return StageResult(STAGE, "done", reason=f"node {node_rank} of {nnodes}: node 0 holds the outputs")
+        summary = read_json(run.path / layout.SUMMARY)
+        return StageResult(STAGE, "done", dict(OUTPUTS), {k: summary[k] for k in SUMMARY_METRICS})
+
+    return run_stage(run, cfg, STAGE, SECTIONS, [], body, log, external=fingerprints(cfg))

@@ -1,0 +1,127 @@
+"""Start this node's training ranks with torchrun, wait for them within the time limit, and leave none behind.
+
+A timeout, Ctrl-C or any error here stops torchrun and every rank (:mod:`pipeline.train.procgroup`): killing
+torchrun alone leaves its ranks orphaned (NOTES.md, Prefect timeouts).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import models
+from pipeline import data
+from pipeline.config import REPO_ROOT, Config, TrainConfig
+from pipeline.errors import PipelineError
+from pipeline.manifest import CONFIG_SNAPSHOT, RunDir
+from pipeline.train import checkpoint, layout, procgroup
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago, for a single-node rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def command(run_dir: Path, nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str) -> list[str]:
+    """The torchrun command line that starts this node's ranks of `pipeline.train.worker`."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc_per_node),
+        "--nnodes",
+        str(nnodes),
+        "--node-rank",
+        str(node_rank),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        rdzv_endpoint,
+        "-m",
+        "pipeline.train.worker",
+        "--run-dir",
+        str(run_dir),
+    ]
+
+
+def environment(cfg: TrainConfig) -> dict[str, str]:
+    """The ranks' environment: ours, plus the settings torchrun and the CPU ranks need."""
+    env = dict(os.environ)
+    # Restarted ranks otherwise dial a stale rank-0 address from the shared store (pytorch#135712, NOTES.md).
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env["OMP_NUM_THREADS"] = str(cfg.threads_per_rank)
+    # The worker is started with -m: make it importable even where the project is not pip-installed.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def preflight(cfg: Config) -> None:
+    """Reject configs that cannot train before any process starts, so the user gets one line, not N tracebacks."""
+    data.check_source(cfg.data)
+    spec = models.spec_for(cfg.model.name)
+    if cfg.data.image_size < spec.min_size:
+        raise PipelineError(
+            f"data.image_size: {cfg.data.image_size} is below {cfg.model.name}'s minimum input size {spec.min_size}"
+        )
+    if cfg.model.weights is not None and not cfg.model.weights.is_file():
+        raise PipelineError(f"model.weights: {cfg.model.weights}: file not found")
+
+
+def _check_topology(nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None) -> None:
+    if nproc_per_node < 1:
+        raise PipelineError(f"--nproc-per-node: must be at least 1, got {nproc_per_node}")
+    if nnodes < 1:
+        raise PipelineError(f"--nnodes: must be at least 1, got {nnodes}")
+    if not 0 <= node_rank < nnodes:
+        raise PipelineError(f"--node-rank: must be in [0, {nnodes}), got {node_rank}")
+    if nnodes > 1 and not rdzv_endpoint:
+        raise PipelineError("--rdzv-endpoint: required when --nnodes > 1 (host:port reachable from every node)")
+
+
+def _sync_snapshot(cfg: Config, run_dir: Path) -> None:
+    """The ranks read the run's config snapshot: make sure it is the config this launch was given."""
+    run = RunDir(run_dir)
+    if not (run_dir / CONFIG_SNAPSHOT).exists() or run.load_config() != cfg:
+        run.save_config(cfg)
+
+
+def launch(
+    cfg: Config,
+    run_dir: Path,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+    nproc_per_node: int | None = None,
+) -> None:
+    """Run torchrun for this node and wait for it, within `train.timeout_s`.
+
+    Single node by default, with a rendezvous on a free loopback port. Several nodes: call this on each with the
+    same `nnodes` and `rdzv_endpoint` (host:port of one of them) and its own `node_rank`. Output is inherited, so
+    rank 0's progress bar shows live. Raises PipelineError on a non-zero exit or a timeout; torchrun and all
+    its ranks are stopped on every way out, Ctrl-C included.
+    """
+    nproc = cfg.train.nproc_per_node if nproc_per_node is None else nproc_per_node
+    _check_topology(nproc, nnodes, node_rank, rdzv_endpoint)
+    preflight(cfg)
+    run_dir = Path(run_dir).resolve()
+    checkpoint.resumable(run_dir / layout.CHECKPOINTS, cfg)  # refuse a foreign checkpoint before touching anything
+    _sync_snapshot(cfg, run_dir)
+    endpoint = rdzv_endpoint or f"127.0.0.1:{free_port()}"
+    cmd = command(run_dir, nproc, nnodes, node_rank, endpoint)
+    job = procgroup.start(cmd, environment(cfg.train))
+    try:
+        code = job.proc.wait(timeout=cfg.train.timeout_s)
+    except subprocess.TimeoutExpired:
+        raise PipelineError(
+            f"train.timeout_s: training still running after {cfg.train.timeout_s}s; stopped all its processes"
+        ) from None
+    finally:
+        procgroup.stop(job)  # on every way out; also catches ranks that outlive a torchrun which exited
+    if code != 0:
+        raise PipelineError(f"train: torchrun exited with code {code}; see output above")

@@ -1,0 +1,51 @@
+"""Rank 0's training log, train/metrics.jsonl: one JSON object per line, each line flushed as it is written."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+
+def _kept_lines(path: Path, start_epoch: int) -> list[str]:
+    """Lines of completed epochs before `start_epoch`; a crashed epoch's partial lines are dropped."""
+    if start_epoch == 0 or not path.exists():
+        return []
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a crash
+        if isinstance(record, dict) and record.get("epoch", start_epoch) < start_epoch:
+            kept.append(line)
+    return kept
+
+
+class MetricsLog:
+    """Append-only JSON-lines writer that, on resume, keeps exactly the lines of the epochs already done."""
+
+    def __init__(self, path: Path, start_epoch: int) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text("".join(f"{line}\n" for line in _kept_lines(path, start_epoch)))
+        os.replace(tmp, path)
+        self._fh = path.open("a", buffering=1)
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one record as a line."""
+        self._fh.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        """Close the file."""
+        self._fh.close()
+
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

@@ -1,0 +1,68 @@
+"""The launcher without torchrun: command line, environment, up-front checks, and stopping a process group."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import REPO_ROOT, validate
+from pipeline.errors import PipelineError
+from pipeline.manifest import create_run_dir, write_json
+from pipeline.train import checkpoint, launcher, layout
+
+
+def test_command_runs_the_worker_module_under_torchrun() -> None:
+    cmd = launcher.command(Path("/runs/r1"), 4, 2, 1, "10.0.0.1:29500")
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    args = cmd[3:]
+    pairs = dict(zip(args[::2], args[1::2], strict=False))
+    assert pairs["--nproc-per-node"] == "4"
+    assert pairs["--nnodes"] == "2"
+    assert pairs["--node-rank"] == "1"
+    assert pairs["--rdzv-backend"] == "c10d"
+    assert pairs["--rdzv-endpoint"] == "10.0.0.1:29500"
+    assert cmd[-4:] == ["-m", "pipeline.train.worker", "--run-dir", "/runs/r1"]
+
+
+def test_environment_pins_threads_and_store_behaviour() -> None:
+    env = launcher.environment(validate({"train": {"threads_per_rank": 3}}, "test").train)
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert env["OMP_NUM_THREADS"] == "3"
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO_ROOT)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "flag"),
+    [
+        ({"nnodes": 2}, "--rdzv-endpoint"),
+        ({"nnodes": 2, "node_rank": 2, "rdzv_endpoint": "h:1"}, "--node-rank"),
+        ({"nproc_per_node": 0}, "--nproc-per-node"),
+    ],
+)
+def test_bad_topology_is_rejected_before_anything_starts(tmp_path: Path, kwargs: dict, flag: str) -> None:
+    with pytest.raises(PipelineError, match=flag):
+        launcher.launch(validate({}, "test"), tmp_path, **kwargs)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_preflight_names_the_offending_key(tmp_path: Path) -> None:
+    with pytest.raises(PipelineError, match=r"data\.image_size: 16 is below resnet18"):
+        launcher.preflight(validate({"model": {"name": "resnet18"}}, "test"))
+    with pytest.raises(PipelineError, match=r"model\.weights: .*missing\.safetensors"):
+        launcher.preflight(validate({"model": {"weights": str(tmp_path / "missing.safetensors")}}, "test"))
+    with pytest.raises(PipelineError, match=r"model\.name"):
+        launcher.preflight(validate({"model": {"name": "nope"}}, "test"))
+
+
+def test_a_foreign_checkpoint_is_refused_before_the_snapshot_changes(tmp_path: Path) -> None:
+    first = validate({}, "test")
+    run = create_run_dir(first, tmp_path / "run")
+    meta = {"epoch": 0, "step": 3, "resume_key": checkpoint.resume_key(first)}
+    write_json(run.path / layout.CHECKPOINTS / "step-3" / checkpoint.TRAINER_JSON, meta)
+    (run.path / layout.LATEST).symlink_to("step-3")
+    with pytest.raises(PipelineError, match="written for a different data/model config"):
+        launcher.launch(validate({"model": {"name": "resnet18"}, "data": {"image_size": 32}}, "test"), run.path)
+    assert run.load_config() == first

@@ -1,0 +1,50 @@
+"""Pieces of the worker and the stage that need no process group."""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+
+import pytest
+
+from pipeline import data, train
+from pipeline.config import TrainConfig, validate
+from pipeline.errors import PipelineError
+from pipeline.manifest import sha256_file
+from pipeline.train.compression import HOOKS, CommCounter
+from pipeline.train.worker import cosine_lr, per_rank_batch
+
+
+def test_cosine_lr_decays_from_peak_to_zero() -> None:
+    assert cosine_lr(0.1, 0, 100) == pytest.approx(0.1)
+    assert cosine_lr(0.1, 50, 100) == pytest.approx(0.05)
+    assert cosine_lr(0.1, 100, 100) == pytest.approx(0.0)
+    assert cosine_lr(0.1, 150, 100) == pytest.approx(0.0)  # a shorter resumed schedule never goes negative
+
+
+def test_per_rank_batch_splits_the_global_batch() -> None:
+    assert per_rank_batch(64, 2) == 32
+    assert per_rank_batch(65, 2) == 32
+    with pytest.raises(PipelineError, match=r"train\.batch_size: 1 is smaller than the number of ranks \(2\)"):
+        per_rank_batch(1, 2)
+
+
+def test_every_configurable_compression_has_a_hook() -> None:
+    assert set(HOOKS) == set(typing.get_args(TrainConfig.model_fields["compression"].annotation))
+
+
+def test_comm_counter_take_resets() -> None:
+    counter = CommCounter()
+    counter.bytes += 10
+    assert counter.take() == 10
+    assert counter.take() == 0
+
+
+def test_fingerprints_cover_data_and_initial_weights(tmp_path: Path) -> None:
+    weights = tmp_path / "w.safetensors"
+    weights.write_bytes(b"not really weights")
+    cfg = validate({"model": {"weights": str(weights)}}, "test")
+    assert train.fingerprints(cfg) == {"data": data.fingerprint(cfg.data), "weights": sha256_file(weights)}
+    weights.unlink()
+    with pytest.raises(PipelineError, match=r"model\.weights: .*w\.safetensors"):
+        train.fingerprints(cfg)
