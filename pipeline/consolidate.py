@@ -1,0 +1,256 @@
+"""Consolidate stage: the latest sharded DCP checkpoint becomes one `model/model.safetensors` plus `model.json`.
+
+model.json is what every later stage (and the device) knows about the model: architecture, class names, the input
+layout and normalisation, the validation accuracy and where the weights came from. Only the "model" entry of the
+checkpoint is read; the optimizer state stays behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from models import MODELS, build_model
+from pipeline.config import Config
+from pipeline.data import DatasetInfo
+from pipeline.errors import PipelineError
+from pipeline.manifest import RunDir, StageResult, read_json, run_stage, sha256_file, tool_versions, write_json
+
+STAGE = "consolidate"
+CHECKPOINT = "train/checkpoints/latest"
+DATASET = "train/dataset.json"
+SUMMARY = "train/summary.json"
+MODEL_DIR = "model"
+WEIGHTS_NAME = "model.safetensors"
+MODEL_JSON_NAME = "model.json"
+_DCP_METADATA = ".metadata"
+_DCP_RECORDS = "torch.distributed.checkpoint.metadata"
+_SAFE_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
+_SAFE_MODULES = {module for module, _ in _SAFE_GLOBALS} | {_DCP_RECORDS}
+
+
+def run(cfg: Config, run: RunDir, log: Callable[[str], None] = print) -> StageResult:
+    """Turn `train/checkpoints/latest` into `model/model.safetensors` + `model/model.json`."""
+    inputs = [CHECKPOINT, DATASET, SUMMARY]
+    return run_stage(run, cfg, STAGE, ("model",), inputs, lambda: _consolidate(cfg, run, log), log)
+
+
+def _consolidate(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageResult:
+    step_dir = (run.path / CHECKPOINT).resolve()
+    info = _dataset_info(run.path / DATASET)
+    val_accuracy = _val_accuracy(run.path / SUMMARY)
+    model = build_model(cfg.model.name, len(info.classes), info.channels)
+    state = model.state_dict()  # shares storage with the module: DCP loads into it in place
+    _check_fits(_read_metadata(step_dir), state, step_dir, cfg.model.name)
+    _load_checkpoint(state, step_dir)
+    _check_finite(state, step_dir)
+    meta = model_json(cfg, info, step_dir, val_accuracy)
+    _write(run.path / MODEL_DIR, state, meta)
+    parameters = sum(p.numel() for p in model.parameters())
+    log(f"[{STAGE}] {step_dir.name}: {cfg.model.name}, {parameters:,} parameters -> {MODEL_DIR}/{WEIGHTS_NAME}")
+    outputs = {"weights": f"{MODEL_DIR}/{WEIGHTS_NAME}", "model_json": f"{MODEL_DIR}/{MODEL_JSON_NAME}"}
+    metrics = {"parameters": parameters, "val_accuracy": val_accuracy, "checkpoint": step_dir.name}
+    return StageResult(STAGE, "done", outputs=outputs, metrics=metrics)
+
+
+def _dataset_info(path: Path) -> DatasetInfo:
+    data = read_json(path)
+    try:
+        return DatasetInfo(
+            classes=[str(c) for c in data["classes"]],
+            channels=int(data["channels"]),
+            image_size=int(data["image_size"]),
+            mean=[float(v) for v in data["mean"]],
+            std=[float(v) for v in data["std"]],
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        raise PipelineError(f"{path}: not a dataset description: missing or invalid {err}") from None
+
+
+def _val_accuracy(path: Path) -> float:
+    summary = read_json(path)
+    value = summary.get("val_accuracy") if isinstance(summary, dict) else None
+    if not isinstance(value, int | float):
+        raise PipelineError(f"{path}: no numeric val_accuracy")
+    return float(value)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only the plain record types a DCP `.metadata` file is made of.
+
+    DCP reads that file with bare `pickle.load`; reading it through this first means a planted pickle is refused
+    before it can run anything.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        """Return an allowed global; refuse everything else without importing it."""
+        if module in _SAFE_MODULES:
+            found = super().find_class(module, name)
+            record = module == _DCP_RECORDS and isinstance(found, type) and found.__module__ == module
+            if record or (module, name) in _SAFE_GLOBALS or isinstance(found, torch.dtype):
+                return found
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
+
+
+def _read_metadata(step_dir: Path) -> Metadata:
+    path = step_dir / _DCP_METADATA
+    try:
+        with path.open("rb") as fh:
+            metadata = _MetadataUnpickler(fh).load()
+    except FileNotFoundError:
+        raise PipelineError(f"{step_dir}: not a complete DCP checkpoint ({_DCP_METADATA} is missing)") from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, OSError) as err:
+        raise PipelineError(f"{path}: corrupt checkpoint metadata: {err}") from None
+    if not isinstance(metadata, Metadata):
+        raise PipelineError(f"{path}: corrupt checkpoint metadata: holds a {type(metadata).__name__}")
+    return metadata
+
+
+def _some(keys: list[str]) -> str:
+    return ", ".join(keys[:3]) + (f" (+{len(keys) - 3} more)" if len(keys) > 3 else "")
+
+
+def _check_fits(metadata: Metadata, state: dict[str, torch.Tensor], step_dir: Path, arch: str) -> None:
+    """Compare names and shapes before loading, so a mismatch reads as one line rather than a DCP traceback."""
+    saved = {k.removeprefix("model."): v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
+    problems = []
+    if missing := [k for k in state if k not in saved]:
+        problems.append(f"missing {_some(missing)}")
+    if unexpected := [k for k in saved if k not in state]:
+        problems.append(f"unexpected {_some(unexpected)}")
+    for key, tensor in state.items():
+        item = saved.get(key)
+        if item is None:
+            continue
+        if not isinstance(item, TensorStorageMetadata):
+            problems.append(f"{key} is not a tensor")
+        elif tuple(item.size) != tuple(tensor.shape):
+            problems.append(f"{key} has shape {list(item.size)}, {arch} expects {list(tensor.shape)}")
+    if problems:
+        raise PipelineError(f"{step_dir}: checkpoint does not fit model.name={arch!r}: {'; '.join(problems[:3])}")
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+
+
+def _load_checkpoint(state: dict[str, torch.Tensor], step_dir: Path) -> None:
+    with warnings.catch_warnings():
+        # Loading without a process group is the point here; DCP warns about it anyway.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            dcp.load({"model": state}, checkpoint_id=step_dir, no_dist=True)
+        except dcp.CheckpointException as err:
+            causes = [failure[0] if isinstance(failure, tuple) else failure for failure in err.failures.values()]
+            cause = _first_line(causes[0]) if causes else str(err)
+            raise PipelineError(f"{step_dir}: cannot read checkpoint: {cause}") from None
+
+
+def _check_finite(state: dict[str, torch.Tensor], step_dir: Path) -> None:
+    bad = [k for k, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise PipelineError(f"{step_dir}: non-finite values (NaN/inf) in {_some(bad)}: training diverged or corrupt")
+
+
+def checkpoint_sha256(step_dir: Path) -> str:
+    """sha256 over a checkpoint directory: each file's relative path and content hash, in sorted order."""
+    digest = hashlib.sha256()
+    files = sorted((str(p.relative_to(step_dir)), p) for p in step_dir.rglob("*") if p.is_file())
+    for rel, path in files:
+        digest.update(f"{rel}\0{sha256_file(path)}\n".encode())
+    return digest.hexdigest()
+
+
+def model_json(cfg: Config, info: DatasetInfo, step_dir: Path, val_accuracy: float) -> dict[str, Any]:
+    """The model's description: what it is, what it expects as input, how good it is, where it came from."""
+    lineage = {
+        "checkpoint": step_dir.name,
+        "checkpoint_sha256": checkpoint_sha256(step_dir),
+        "config_sha256": cfg.digest(),
+        "source_commit": tool_versions().get("source_commit"),
+    }
+    return {
+        "architecture": cfg.model.name,
+        "num_classes": len(info.classes),
+        "classes": info.classes,
+        "input": {
+            "layout": "NCHW",
+            "dtype": "float32",
+            "channels": info.channels,
+            "height": info.image_size,
+            "width": info.image_size,
+            "mean": info.mean,
+            "std": info.std,
+        },
+        "metrics": {"val_accuracy": val_accuracy},
+        "lineage": lineage,
+    }
+
+
+def _write(model_dir: Path, state: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    model_dir.mkdir(parents=True, exist_ok=True)
+    tmp = model_dir / f".{WEIGHTS_NAME}.{os.getpid()}.tmp"
+    tags = {"format": "pt", "architecture": meta["architecture"], "num_classes": str(meta["num_classes"])}
+    try:
+        save_file({k: t.detach().contiguous() for k, t in state.items()}, str(tmp), metadata=tags)
+        os.replace(tmp, model_dir / WEIGHTS_NAME)
+    finally:
+        tmp.unlink(missing_ok=True)
+    write_json(model_dir / MODEL_JSON_NAME, meta)
+
+
+def load_model(model_dir: Path) -> tuple[nn.Module, dict[str, Any]]:
+    """The consolidated model in eval mode, loaded strictly from `model_dir`, and its model.json."""
+    meta_path, weights = model_dir / MODEL_JSON_NAME, model_dir / WEIGHTS_NAME
+    meta = read_json(meta_path)
+    arch, num_classes, channels = _model_spec(meta, meta_path)
+    model = build_model(arch, num_classes, channels)
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError) as err:
+        raise PipelineError(f"{weights}: cannot read weights: {err}") from None
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        raise PipelineError(f"{weights}: does not fit {arch} in {meta_path.name}: {_first_detail(err)}") from None
+    return model.eval(), meta
+
+
+def _model_spec(meta: Any, path: Path) -> tuple[str, int, int]:
+    """(architecture, num_classes, channels) from model.json, after checking the fields later stages read."""
+    try:
+        arch, num_classes, spec = meta["architecture"], int(meta["num_classes"]), meta["input"]
+        height, width, channels = int(spec["height"]), int(spec["width"]), int(spec["channels"])
+        if len(meta["classes"]) != num_classes or min(height, width, channels) < 1:
+            raise ValueError("classes/num_classes/input sizes disagree")
+    except (KeyError, TypeError, ValueError) as err:
+        raise PipelineError(f"{path}: missing or invalid field: {err}") from None
+    if arch not in MODELS:
+        raise PipelineError(f"{path}: unknown architecture {arch!r} (known: {', '.join(MODELS)})")
+    return arch, num_classes, channels
+
+
+def _first_detail(err: RuntimeError) -> str:
+    # load_state_dict puts a generic header on the first line and the useful part on the next.
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[1] if len(lines) > 1 else lines[0] if lines else type(err).__name__

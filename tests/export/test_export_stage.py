@@ -1,0 +1,131 @@
+"""The export stage end to end: real ONNX export, real ONNX Runtime, the parity gate and what it leaves on disk."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import pipeline.export as export_stage
+from pipeline.config import Config
+from pipeline.errors import PipelineError
+from pipeline.export import onnx_export
+from pipeline.manifest import RunDir, StageResult, read_json
+
+Exported = tuple[RunDir, StageResult, list[str]]
+
+
+def test_export_passes_the_parity_gate_with_sensible_numbers(exported: Exported) -> None:
+    run, result, _ = exported
+    assert result.status == "done"
+    assert result.outputs == {"onnx": "onnx/model.onnx", "parity": "onnx/parity.json", "sample": "onnx/sample.npz"}
+    assert all((run.path / rel).is_file() for rel in result.outputs.values())
+    parity = read_json(run.path / "onnx" / "parity.json")
+    assert parity["passed"] is True
+    assert parity["samples"] == 100
+    assert parity["atol"] == 1e-4
+    assert 0.0 <= parity["max_abs_diff"] <= parity["atol"]
+    assert parity["top1_agreement"] == 1.0
+    assert parity["onnx_accuracy"] == parity["torch_accuracy"] > 0.3  # a (briefly) trained model, not chance (0.1)
+    assert result.metrics == {
+        "max_abs_diff": parity["max_abs_diff"],
+        "top1_agreement": 1.0,
+        "onnx_accuracy": parity["onnx_accuracy"],
+        "opset": 18,
+    }
+
+
+def test_requested_opset_below_18_is_recorded_as_written(exported: Exported) -> None:
+    run, result, lines = exported
+    assert result.metrics["opset"] == 18
+    assert onnx_export.read_metadata(run.path / "onnx" / "model.onnx")["export"]["opset"] == 18
+    assert any("export.opset 17 raised to 18" in line for line in lines)
+
+
+def test_unchanged_inputs_are_cached(exported: Exported, make_config: Callable[..., Config]) -> None:
+    run, result, _ = exported
+    again = export_stage.run(make_config(), run, log=lambda _: None)
+    assert again.status == "cached"
+    assert again.metrics == result.metrics
+
+
+def _perturbed_export(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Export a model whose logits are all shifted by 1.0, so ONNX and PyTorch differ for certain."""
+    real = onnx_export.export_onnx
+
+    def export_shifted(model: nn.Module, *args: object) -> dict[str, object]:
+        shifted = copy.deepcopy(model)
+        with torch.no_grad():
+            shifted[-1].bias += 1.0
+        return real(shifted, *args)
+
+    monkeypatch.setattr(export_stage, "export_onnx", export_shifted)
+
+
+def test_failed_parity_gate_keeps_evidence_but_writes_no_model(
+    monkeypatch: pytest.MonkeyPatch, make_config: Callable[..., Config], make_run: Callable[..., RunDir]
+) -> None:
+    cfg = make_config()
+    run = make_run(cfg)
+    _perturbed_export(monkeypatch)
+    with pytest.raises(PipelineError, match=r"parity\.json: parity gate failed: max_abs_diff 1 \(atol 0\.0001\)"):
+        export_stage.run(cfg, run, log=lambda _: None)
+    parity = read_json(run.path / "onnx" / "parity.json")
+    assert parity["passed"] is False
+    assert parity["max_abs_diff"] == pytest.approx(1.0, abs=1e-4)
+    assert sorted(p.name for p in (run.path / "onnx").iterdir()) == ["parity.json"]  # no model, no temp file
+    assert "export" not in run.manifest()["stages"]
+
+
+def test_failed_parity_gate_leaves_the_earlier_model_in_place(
+    monkeypatch: pytest.MonkeyPatch, make_config: Callable[..., Config], make_run: Callable[..., RunDir]
+) -> None:
+    cfg = make_config()
+    run = make_run(cfg, with_onnx=True)
+    before = {name: (run.path / "onnx" / name).read_bytes() for name in ("model.onnx", "sample.npz")}
+    _perturbed_export(monkeypatch)
+    with pytest.raises(PipelineError, match="parity gate failed"):
+        export_stage.run(cfg, run, log=lambda _: None)
+    assert {name: (run.path / "onnx" / name).read_bytes() for name in before} == before
+    assert not read_json(run.path / "onnx" / "parity.json")["passed"]
+
+
+def test_images_of_another_size_than_the_model_are_refused(
+    make_config: Callable[..., Config], make_run: Callable[..., RunDir]
+) -> None:
+    cfg = make_config(image_size=24)
+    run = make_run(cfg)
+    with pytest.raises(PipelineError, match=r"data\.image_size: validation images are 24x24, .* trained on 16x16"):
+        export_stage.run(cfg, run, log=lambda _: None)
+    assert not (run.path / "onnx").exists()
+
+
+def test_a_model_the_exporter_cannot_handle_is_a_one_line_error(
+    monkeypatch: pytest.MonkeyPatch, make_config: Callable[..., Config], make_run: Callable[..., RunDir]
+) -> None:
+    class DataDependent(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.flatten(1)[:, :10] if x.sum() > 0 else -x.flatten(1)[:, :10]
+
+    cfg = make_config()
+    run = make_run(cfg)
+    real_load = export_stage.load_model
+    monkeypatch.setattr(export_stage, "load_model", lambda path: (DataDependent(), real_load(path)[1]))
+    with pytest.raises(PipelineError, match=r"^export: small_cnn could not be exported: ") as err:
+        export_stage.run(cfg, run, log=lambda _: None)
+    assert "\n" not in str(err.value)
+    assert not (run.path / "onnx" / "model.onnx").exists()
+    assert not [p for p in (run.path / "onnx").iterdir() if p.name.endswith(".tmp")]
+
+
+def test_sample_holds_a_real_validation_image_and_its_onnx_logits(exported: Exported) -> None:
+    run, _, _ = exported
+    sample = np.load(run.path / "onnx" / "sample.npz")
+    assert sample["input"].shape == (1, 1, 16, 16) and sample["input"].dtype == np.float32
+    assert sample["logits"].shape == (1, 10)
+    assert 0 <= int(sample["label"]) < 10
+    assert float(np.abs(sample["input"]).max()) > 0.5  # normalised pixels, not zeros
