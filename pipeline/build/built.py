@@ -1,0 +1,17 @@
+"""What a builder reports back about the engine it wrote."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Built:
+    """Facts learnt while building: they decide the device class and go into build.json."""
+
+    tensorrt_version: str | None
+    sm: str | None
+    fp16: bool
+    """Whether the FP16 builder flag was set (never on TensorRT >= 11, which is strongly typed)."""
+    command: list[str] | None = None
+    """The trtexec command line; None for the Python API."""

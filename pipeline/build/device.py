@@ -1,0 +1,54 @@
+"""Device classes: an engine is valid for one (GPU compute capability, TensorRT version) pair."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+_DOTTED = re.compile(r"^(\d+)\.(\d+)$")
+
+
+def sm_tag(major: int, minor: int) -> str:
+    """Compute capability 8.7 → "sm87"."""
+    return f"sm{major}{minor}"
+
+
+def device_class(sm: str | None, trt_version: str | None) -> str:
+    """`local-<sm>-trt<version>` when both are known, else plain "local" (an engine of unknown provenance)."""
+    if sm and trt_version:
+        return f"local-{sm}-trt{trt_version}"
+    return "local"
+
+
+def trt_major(version: str | None) -> int | None:
+    """Major TensorRT version ("10.3.0" → 10), None when unknown."""
+    return int(version.split(".")[0]) if version else None
+
+
+def _nvidia_smi_sm() -> str | None:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run(
+            [exe, "--query-gpu=compute_cap", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = out.stdout.strip().splitlines()
+    match = _DOTTED.match(lines[0].strip()) if out.returncode == 0 and lines else None
+    return sm_tag(int(match[1]), int(match[2])) if match else None
+
+
+def local_sm() -> str | None:
+    """This host's GPU compute capability as "smXY": from torch when CUDA works, else nvidia-smi, else None."""
+    import torch
+
+    if torch.cuda.is_available():
+        return sm_tag(*torch.cuda.get_device_capability(0))
+    return _nvidia_smi_sm()

@@ -1,0 +1,185 @@
+"""The build stage: one TensorRT engine for this host's device class, published under `engines/<class>/`.
+
+The engine is built in a staging directory and moved into place only when the build succeeded, so a failed
+or interrupted build never replaces a good engine. Without TensorRT the stage is skipped, never faked.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.build import python_api, trtexec
+from pipeline.build.built import Built
+from pipeline.build.detect import Choice, choose
+from pipeline.build.device import device_class, local_sm
+from pipeline.build.profile import Profile, input_profile
+from pipeline.config import Config
+from pipeline.errors import PipelineError
+from pipeline.manifest import RunDir, StageResult, run_stage, sha256_file, write_json
+
+ONNX = "onnx/model.onnx"
+ENGINES = "engines"
+FAILED_LOG = "build-failed.log"
+
+
+@dataclass(frozen=True)
+class Host:
+    """The chosen builder and what is known about this host before building."""
+
+    choice: Choice
+    tensorrt_version: str | None = None
+    sm: str | None = None
+
+    def fingerprint(self) -> str:
+        """Part of the cache key: a new TensorRT or GPU makes the cached engine stale."""
+        return f"{self.choice.builder} {self.tensorrt_version or '?'} {self.sm or '?'}"
+
+
+def probe_host(choice: Choice) -> Host:
+    """Learn the TensorRT version and GPU of the chosen builder (nothing for "no builder")."""
+    if choice.builder == "python":
+        return Host(choice, python_api.tensorrt_version(), local_sm())
+    if choice.builder == "trtexec":
+        assert choice.trtexec is not None
+        with tempfile.TemporaryDirectory() as scratch:
+            version = trtexec.probe_version(choice.trtexec, Path(scratch))
+        return Host(choice, version, local_sm())
+    return Host(choice)
+
+
+def run(cfg: Config, run: RunDir, log: Callable[[str], None] = print) -> StageResult:
+    """Build `engines/<class>/model.plan` from `onnx/model.onnx`, or skip with the reason when TensorRT is absent."""
+    host = probe_host(choose(cfg.build))
+    external = {"tensorrt": host.fingerprint()} if host.choice.builder else None
+    return run_stage(
+        run, cfg, "build", ("build", "export"), [ONNX], lambda: _body(cfg, run, host, log), log, external=external
+    )
+
+
+def _body(cfg: Config, run: RunDir, host: Host, log: Callable[[str], None]) -> StageResult:
+    if host.choice.builder is None:
+        return StageResult("build", "skipped", reason=host.choice.reason)
+    onnx = run.path / ONNX
+    profile = input_profile(onnx, cfg.export)
+    engines = run.path / ENGINES
+    staging = engines / f".staging-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        _seed_timing_cache(_known_class_dir(engines, host), staging)
+        started = time.perf_counter()
+        built = _build(cfg, host, onnx, staging, profile, log)
+        seconds = round(time.perf_counter() - started, 3)
+        klass = device_class(host.sm or built.sm, built.tensorrt_version)
+        info = _build_info(cfg, host, built, profile, klass, seconds, onnx)
+        dest = _publish(staging, engines / klass, info)
+    except PipelineError as err:
+        kept = _keep_failed_log(staging, engines)
+        if kept is None:
+            raise
+        raise PipelineError(f"{err} (full log: {kept})") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    (engines / FAILED_LOG).unlink(missing_ok=True)
+    engine = dest / "model.plan"
+    log(f"[build] {host.choice.builder}: {_rel(engine, run)} ({engine.stat().st_size / 1e6:.1f} MB)")
+    return StageResult(
+        "build",
+        "done",
+        outputs={"engine": _rel(engine, run), "build_info": _rel(dest / "build.json", run)},
+        metrics={
+            "engine_mb": round(engine.stat().st_size / 1e6, 6),
+            "engine_bytes": engine.stat().st_size,
+            "class": klass,
+            "builder": host.choice.builder,
+            "tensorrt_version": built.tensorrt_version,
+            "build_seconds": seconds,
+        },
+    )
+
+
+def _build(cfg: Config, host: Host, onnx: Path, staging: Path, profile: Profile, log: Callable[[str], None]) -> Built:
+    if host.choice.builder == "python":
+        return python_api.build(onnx, staging, profile, cfg.build.precision, cfg.build.workspace_mb, log)
+    assert host.choice.trtexec is not None
+    version = host.tensorrt_version or "version unknown"
+    log(f"[build] trtexec (TensorRT {version}): building, limit {cfg.build.timeout_s}s")
+    return trtexec.build(
+        host.choice.trtexec,
+        onnx,
+        staging,
+        profile,
+        cfg.build.precision,
+        cfg.build.workspace_mb,
+        host.tensorrt_version,
+        cfg.build.timeout_s,
+    )
+
+
+def _known_class_dir(engines: Path, host: Host) -> Path | None:
+    """The class directory of an earlier build on this host, before this build has revealed the GPU.
+
+    trtexec reports the compute capability only while building, so without torch/nvidia-smi the one earlier
+    class with this TensorRT version stands for this host.
+    """
+    if host.sm is not None:
+        return engines / device_class(host.sm, host.tensorrt_version)
+    earlier = sorted(engines.glob(f"local-sm*-trt{host.tensorrt_version}")) if host.tensorrt_version else []
+    return earlier[0] if len(earlier) == 1 else None
+
+
+def _seed_timing_cache(class_dir: Path | None, staging: Path) -> None:
+    """Start from the class's timing cache: rebuilds then skip most tactic timing (slow on small Jetsons)."""
+    cache = class_dir / "timing.cache" if class_dir else None
+    if cache is not None and cache.is_file():
+        shutil.copyfile(cache, staging / "timing.cache")
+
+
+def _build_info(
+    cfg: Config, host: Host, built: Built, profile: Profile, klass: str, seconds: float, onnx: Path
+) -> dict[str, Any]:
+    return {
+        "class": klass,
+        "builder": host.choice.builder,
+        "tensorrt_version": built.tensorrt_version,
+        "sm": host.sm or built.sm,
+        "precision": cfg.build.precision,
+        "fp16_flag": built.fp16,
+        "workspace_mb": cfg.build.workspace_mb,
+        "input": profile.name,
+        "shapes": profile.to_dict(),
+        "seconds": seconds,
+        "command": shlex.join(built.command) if built.command else None,
+        "onnx_sha256": sha256_file(onnx),
+    }
+
+
+def _publish(staging: Path, dest: Path, info: dict[str, Any]) -> Path:
+    """Move the built files into `dest` (one rename each) and write build.json last, as the completion mark."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for src, name in (("model.plan", "model.plan"), ("timing.cache", "timing.cache"), ("trtexec.log", "build.log")):
+        if (staging / src).is_file():
+            os.replace(staging / src, dest / name)
+    write_json(dest / "build.json", info)
+    return dest
+
+
+def _rel(path: Path, run: RunDir) -> str:
+    return str(path.relative_to(run.path))
+
+
+def _keep_failed_log(staging: Path, engines: Path) -> Path | None:
+    """Keep trtexec's output of a failed build where the user can read it; None when there is none."""
+    log = staging / "trtexec.log"
+    if not log.is_file():
+        return None
+    os.replace(log, engines / FAILED_LOG)
+    return engines / FAILED_LOG

@@ -1,0 +1,84 @@
+"""Health check of an installed release: run its model on the stored sample and compare with the stored logits.
+
+It runs through `<root>/current`, i.e. exactly the files a device would load. The TensorRT engine is used when
+the release has one and TensorRT with a GPU is available here; otherwise the ONNX model through ONNX Runtime.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.build.detect import python_api_problem
+
+
+def check(release: Path, atol: float, atol_fp16: float) -> dict[str, Any]:
+    """Run `release/sample.npz` through the release's model: {passed, runtime, reason, shape, argmax, ...}."""
+    engine = release / "model.plan"
+    use_engine = engine.is_file() and python_api_problem() is None
+    runtime = "tensorrt" if use_engine else "onnxruntime"
+    tolerance = atol_fp16 if use_engine and _engine_precision(release) == "fp16" else atol
+    base: dict[str, Any] = {"passed": False, "runtime": runtime, "atol": tolerance}
+    try:
+        with np.load(release / "sample.npz") as sample:
+            x, expected = sample["input"], sample["logits"]
+        classes = len((release / "labels.txt").read_text().splitlines())
+        logits = _run_engine(engine, x) if use_engine else _run_onnx(release / "model.onnx", x)
+    # Whatever stops the release from running (corrupt model, missing file, runtime error) is a failed check.
+    except Exception as err:
+        return {**base, "reason": f"{runtime} could not run the release: {str(err).strip().splitlines()[0]}"}
+    return {**base, **compare(logits, expected, classes, tolerance)}
+
+
+def compare(logits: np.ndarray, expected: np.ndarray, classes: int, atol: float) -> dict[str, Any]:
+    """The verdict: shape (1, classes), finite, same argmax as `expected`, max |diff| <= atol."""
+    facts: dict[str, Any] = {"shape": list(logits.shape)}
+    if logits.shape != (1, classes) or expected.shape != (1, classes):
+        return {**facts, "reason": f"output shape {logits.shape}, stored {expected.shape}, expected (1, {classes})"}
+    if not np.isfinite(logits).all():
+        return {**facts, "reason": "output is not finite (NaN or Inf)"}
+    diff = float(np.abs(logits.astype(np.float64) - expected.astype(np.float64)).max())
+    facts |= {"argmax": int(logits.argmax()), "expected_argmax": int(expected.argmax()), "max_abs_diff": diff}
+    if facts["argmax"] != facts["expected_argmax"]:
+        return {**facts, "reason": f"argmax {facts['argmax']} != stored argmax {facts['expected_argmax']}"}
+    if diff > atol:
+        return {**facts, "reason": f"max |diff| {diff:.2e} > atol {atol:.0e}"}
+    return {**facts, "passed": True, "reason": ""}
+
+
+def _engine_precision(release: Path) -> str | None:
+    try:
+        return json.loads((release / "engine.json").read_text()).get("precision")
+    except (OSError, ValueError):
+        return None
+
+
+def _run_onnx(model: Path, x: np.ndarray) -> np.ndarray:
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    return np.asarray(session.run(["logits"], {"input": x.astype(np.float32)})[0])
+
+
+def _run_engine(plan: Path, x: np.ndarray) -> np.ndarray:
+    """One inference through TensorRT (10.x name-based I/O), with torch holding the device buffers."""
+    import tensorrt as trt
+    import torch
+
+    engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(plan.read_bytes())
+    if engine is None:
+        raise RuntimeError("TensorRT cannot deserialize model.plan (built for another TensorRT or GPU?)")
+    context = engine.create_execution_context()
+    context.set_input_shape("input", tuple(x.shape))
+    inputs = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).cuda()
+    outputs = torch.empty(tuple(context.get_tensor_shape("logits")), dtype=torch.float32, device="cuda")
+    context.set_tensor_address("input", inputs.data_ptr())
+    context.set_tensor_address("logits", outputs.data_ptr())
+    stream = torch.cuda.current_stream()
+    if not context.execute_async_v3(stream.cuda_stream):
+        raise RuntimeError("TensorRT execute_async_v3 failed")
+    stream.synchronize()
+    return outputs.cpu().numpy()

@@ -1,0 +1,125 @@
+"""The build stage: an honest skip without TensorRT, real builds driven through a stand-in trtexec."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from pipeline import build
+from pipeline.build.detect import python_api_problem
+from pipeline.config import BuildConfig, Config, ExportConfig
+from pipeline.errors import PipelineError
+from pipeline.manifest import RunDir
+
+MakeRun = Callable[[Config], RunDir]
+
+
+def trtexec_config(exe: Path | str, precision: str = "fp16", opt: int = 8) -> Config:
+    build_cfg = BuildConfig(builder="auto", trtexec=str(exe), precision=precision, workspace_mb=256)
+    return Config(build=build_cfg, export=ExportConfig(max_batch=32, opt_batch=opt))
+
+
+def calls(exe: Path) -> list[list[str]]:
+    path = Path(f"{exe}.calls")
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.skipif(python_api_problem() is None, reason="TensorRT and a GPU are present: nothing to skip")
+def test_auto_without_tensorrt_skips_and_writes_nothing(make_run: MakeRun, tmp_path: Path):
+    run = make_run(trtexec_config(tmp_path / "no-such-trtexec"))
+    result = build.run(run.load_config(), run, log=lambda _: None)
+    assert result.status == "skipped"
+    assert "no TensorRT" in result.reason and "`import tensorrt` failed" in result.reason
+    assert "trtexec is not on PATH" in result.reason
+    assert not (run.path / "engines").exists()
+    assert run.manifest()["stages"]["build"]["status"] == "skipped"
+
+
+@pytest.mark.skipif(python_api_problem() is None, reason="TensorRT and a GPU are present")
+def test_forced_builder_that_is_missing_is_an_error(make_run: MakeRun, tmp_path: Path):
+    run = make_run(Config(build=BuildConfig(builder="python")))
+    with pytest.raises(PipelineError, match=r"build\.builder: 'python' needs"):
+        build.run(run.load_config(), run, log=lambda _: None)
+    cfg = Config(build=BuildConfig(builder="trtexec", trtexec=str(tmp_path / "absent")))
+    with pytest.raises(PipelineError, match=r"build\.trtexec: .*absent.* not an executable on PATH"):
+        build.run(cfg, run, log=lambda _: None)
+
+
+def test_standin_trtexec_build(make_run: MakeRun, fake_trtexec: Callable[..., Path], monkeypatch: pytest.MonkeyPatch):
+    exe = fake_trtexec()
+    monkeypatch.setenv("PATH", f"{exe.parent}:/usr/bin:/bin")  # found by name, as on a Jetson
+    cfg = trtexec_config("fake_trtexec")
+    run = make_run(cfg)
+    result = build.run(cfg, run, log=lambda _: None)
+
+    klass = "local-sm87-trt10.3.0"
+    assert result.status == "done"
+    assert result.outputs == {"engine": f"engines/{klass}/model.plan", "build_info": f"engines/{klass}/build.json"}
+    engine = run.path / result.outputs["engine"]
+    assert engine.read_bytes() == f"STAND-IN ENGINE for {run.path / 'onnx/model.onnx'}".encode()
+    info = json.loads((run.path / result.outputs["build_info"]).read_text())
+    assert info["class"] == klass and info["tensorrt_version"] == "10.3.0" and info["builder"] == "trtexec"
+    assert info["precision"] == "fp16" and info["fp16_flag"] is True
+    assert info["shapes"] == {"min": [1, 1, 16, 16], "opt": [8, 1, 16, 16], "max": [32, 1, 16, 16]}
+    args = shlex.split(info["command"])[1:]
+    assert "--minShapes=input:1x1x16x16" in args and "--optShapes=input:8x1x16x16" in args
+    assert "--maxShapes=input:32x1x16x16" in args and "--memPoolSize=workspace:256M" in args
+    assert "--fp16" in args and "--skipInference" in args
+    assert any(a.startswith("--timingCacheFile=") and a.endswith("/timing.cache") for a in args)
+    assert (run.path / f"engines/{klass}/timing.cache").read_text() == "timing entry\n"
+    assert not [p for p in (run.path / "engines").iterdir() if p.name.startswith(".staging")]
+    assert result.metrics["engine_bytes"] == engine.stat().st_size and result.metrics["class"] == klass
+
+    # Unchanged inputs, config and TensorRT: cached, trtexec not run again.
+    assert build.run(cfg, run, log=lambda _: None).status == "cached"
+    assert len(calls(exe)) == 1
+
+    # A rebuild (new profile) starts from the class's timing cache and extends it.
+    cfg.export.opt_batch = 4
+    assert build.run(cfg, run, log=lambda _: None).status == "done"
+    assert len(calls(exe)) == 2
+    assert (run.path / f"engines/{klass}/timing.cache").read_text() == "timing entry\n" * 2
+
+
+def test_tensorrt_11_gets_no_fp16_flag(make_run: MakeRun, fake_trtexec: Callable[..., Path]):
+    exe = fake_trtexec(packed="110000")
+    cfg = trtexec_config(exe)
+    run = make_run(cfg)
+    result = build.run(cfg, run, log=lambda _: None)
+    info = json.loads((run.path / result.outputs["build_info"]).read_text())
+    assert info["class"] == "local-sm87-trt11.0.0" and info["fp16_flag"] is False
+    assert "--fp16" not in calls(exe)[0]
+
+
+def test_failed_build_reports_the_error_and_keeps_the_old_engine(make_run: MakeRun, fake_trtexec: Callable[..., Path]):
+    cfg = trtexec_config(fake_trtexec())
+    run = make_run(cfg)
+    engine = run.path / build.run(cfg, run, log=lambda _: None).outputs["engine"]
+    good = engine.read_bytes()
+
+    cfg.build.trtexec = str(fake_trtexec(mode="fail"))
+    cfg.build.precision = "fp32"  # a config change, so the stage really runs again
+    with pytest.raises(PipelineError) as err:
+        build.run(cfg, run, log=lambda _: None)
+    message = str(err.value)
+    assert "trtexec exited with status 1: ERROR: stand-in build failed on purpose" in message
+    assert "build-failed.log" in message and "\n" not in message
+    assert engine.read_bytes() == good
+    assert "Error Code 4" in (run.path / "engines/build-failed.log").read_text()
+    assert run.manifest()["stages"]["build"]["status"] == "done"  # the failed attempt did not replace the record
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(python_api_problem() is not None, reason=f"TensorRT Python API unusable: {python_api_problem()}")
+def test_python_api_builds_a_real_engine(make_run: MakeRun):
+    cfg = Config(build=BuildConfig(builder="python", precision="fp16", workspace_mb=256))
+    run = make_run(cfg)
+    result = build.run(cfg, run, log=lambda _: None)
+    info = json.loads((run.path / result.outputs["build_info"]).read_text())
+    assert result.status == "done" and info["builder"] == "python" and info["class"].startswith("local-sm")
+    assert (run.path / result.outputs["engine"]).stat().st_size > 1000
+    assert (run.path / "engines" / info["class"] / "timing.cache").stat().st_size > 0
