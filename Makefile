@@ -1,0 +1,40 @@
+# Two commands for a fresh machine: `make demo` runs the whole pipeline on the embedded default,
+# `make test` runs the test suite. Both create .venv and install what is missing.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
+# Debian packages the stand-in Jetson tests need (real sshd per device, namespaces); they skip, saying so, without.
+JETSON_PKGS := openssh-server openssh-client util-linux iproute2 procps
+
+.PHONY: demo test test-all lint jetson-deps clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@rm -f $(VENV)/.installed-* && touch $@
+
+demo: $(STAMP)
+	$(BIN)/pipeline run --config configs/quickstart.toml
+
+test: $(STAMP) jetson-deps
+	$(BIN)/ruff check .
+	$(BIN)/pytest -m "not slow"
+
+test-all: $(STAMP) jetson-deps
+	$(BIN)/pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+jetson-deps:
+	@missing=$$(for p in $(JETSON_PKGS); do \
+	    dpkg-query -W -f='$${db:Status-Abbrev}' $$p 2>/dev/null | grep -q '^ii' || echo $$p; done); \
+	if [ -z "$$missing" ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	else echo "stand-in Jetson tests will skip: missing $$missing (apt-get install $$missing, as root)"; fi
+
+clean:
+	rm -rf artifacts/runs artifacts/devices .pytest_cache

@@ -1,0 +1,187 @@
+"""`pipeline <stage>`: one subcommand per stage, `run` for all of them, and commands to inspect runs.
+
+Every subcommand maps to one library function; this file only parses arguments and prints.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from pipeline import report
+from pipeline.config import Config
+from pipeline.errors import PipelineError
+from pipeline.manifest import RunDir
+from pipeline.stages import existing_run, open_run, run_all, run_one
+
+app = typer.Typer(
+    help="Train-to-deploy pipeline for edge AI.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,  # locals may hold keys and hostnames
+)
+deploy_app = typer.Typer(help="Release models to targets, inspect them, roll back.", no_args_is_help=True)
+runs_app = typer.Typer(help="Inspect past runs.", no_args_is_help=True)
+app.add_typer(deploy_app, name="deploy")
+app.add_typer(runs_app, name="runs")
+console = Console()
+
+
+def log(message: str) -> None:
+    """Print a stage's progress line as plain text: `[train] ...` is not rich markup."""
+    console.print(message, markup=False, highlight=False)
+
+
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML config (default: quickstart).")]
+RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="Run directory (default: new, in run.runs_root).")]
+ExistingRunDir = Annotated[Path, typer.Option("--run-dir", help="Run directory made by an earlier stage.")]
+SetOpt = Annotated[
+    list[str] | None, typer.Option("--set", help="Override a config key: section.key=value (value read as TOML).")
+]
+
+
+def _stage_config(config: Path | None, run_dir: Path, overrides: list[str] | None) -> tuple[Config, RunDir]:
+    """Config for a stage after train: the run's own snapshot unless --config or --set says otherwise."""
+    if config is None:
+        existing_run(run_dir)
+    return open_run(config, run_dir, overrides)
+
+
+def _show(run: RunDir) -> None:
+    table = Table(title=f"run {run.path}")
+    for col in ("stage", "status", "seconds", "result"):
+        table.add_column(col, justify="right" if col == "seconds" else "left")
+    for row in report.stage_rows(run):
+        seconds = f"{row['seconds']:.1f}" if row["seconds"] is not None else ""
+        table.add_row(row["stage"], row["status"], seconds, row["summary"])
+    console.print(table)
+
+
+@app.command()
+def run(config: ConfigOpt = None, run_dir: RunDirOpt = None, set_: SetOpt = None) -> None:
+    """Run every stage: train, consolidate, export, build, deploy. Unchanged stages are skipped as cached."""
+    cfg, rd = open_run(config, run_dir, set_)
+    console.print(f"run directory: [bold]{rd.path}[/bold]")
+    try:
+        run_all(cfg, rd, log=log)
+    finally:
+        report.write(rd)
+        _show(rd)
+    console.print(f"report: {rd.path / 'report.md'}")
+
+
+@app.command()
+def train(
+    config: ConfigOpt = None,
+    run_dir: RunDirOpt = None,
+    set_: SetOpt = None,
+    nproc_per_node: Annotated[int | None, typer.Option(help="Ranks on this node.")] = None,
+    nnodes: Annotated[int, typer.Option(help="Nodes taking part (multi-node: start this command on each).")] = 1,
+    node_rank: Annotated[int, typer.Option(help="This node's rank, 0..nnodes-1.")] = 0,
+    rdzv_endpoint: Annotated[str | None, typer.Option(help="HOST:PORT of the c10d rendezvous (node 0).")] = None,
+) -> None:
+    """Distributed training with torchrun; writes train/ in the run directory."""
+    from pipeline.train import run as train_stage
+
+    cfg, rd = open_run(config, run_dir, set_)
+    train_stage(
+        cfg,
+        rd,
+        log=log,
+        nproc_per_node=nproc_per_node,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint,
+    )
+
+
+def _stage_command(stage: str, doc: str) -> None:
+    def command(run_dir: ExistingRunDir, config: ConfigOpt = None, set_: SetOpt = None) -> None:
+        cfg, rd = _stage_config(config, run_dir, set_)
+        run_one(stage, cfg, rd, log=log)
+
+    command.__doc__ = doc
+    app.command(name=stage)(command)
+
+
+_stage_command("consolidate", "Merge the latest sharded checkpoint into model/model.safetensors + model.json.")
+_stage_command("export", "Export ONNX with a dynamic batch axis and check parity against PyTorch.")
+_stage_command("build", "Build a TensorRT engine, or report the stage as skipped when TensorRT is absent.")
+
+
+@deploy_app.command("run")
+def deploy_run(run_dir: ExistingRunDir, config: ConfigOpt = None, set_: SetOpt = None) -> None:
+    """Release the run's model to every target: upload, verify, switch, health check, roll back on failure."""
+    cfg, rd = _stage_config(config, run_dir, set_)
+    run_one("deploy", cfg, rd, log=log)
+
+
+@deploy_app.command("status")
+def deploy_status(config: ConfigOpt = None, set_: SetOpt = None) -> None:
+    """Show what each target runs now."""
+    from pipeline.config import load_config
+    from pipeline.deploy import status
+
+    _print_targets(status(load_config(config, set_)))
+
+
+@deploy_app.command("rollback")
+def deploy_rollback(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    target: Annotated[str | None, typer.Option(help="Only this target (default: all).")] = None,
+) -> None:
+    """Switch targets back to their previous release."""
+    from pipeline.config import load_config
+    from pipeline.deploy import rollback
+
+    _print_targets(rollback(load_config(config, set_), target))
+
+
+def _print_targets(rows: list[dict]) -> None:
+    table = Table()
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    for col in columns:
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*(str(row.get(col, "")) for col in columns))
+    console.print(table)
+
+
+@runs_app.command("list")
+def runs_list(
+    root: Annotated[Path, typer.Option(help="Where runs live.")] = Path("artifacts/runs"),
+) -> None:
+    """List runs, newest first, with each stage's status."""
+    from pipeline.stages import STAGES
+
+    table = Table()
+    table.add_column("run")
+    for stage in STAGES:
+        table.add_column(stage)
+    for path in sorted((p for p in root.glob("*/manifest.json")), reverse=True):
+        rows = {r["stage"]: r["status"] for r in report.stage_rows(RunDir(path.parent))}
+        table.add_row(path.parent.name, *(rows[s] for s in STAGES))
+    console.print(table)
+
+
+@runs_app.command("show")
+def runs_show(run_dir: Annotated[Path, typer.Argument(help="Run directory.")]) -> None:
+    """Show one run's report."""
+    if not (run_dir / "manifest.json").exists():
+        raise PipelineError(f"{run_dir}: no manifest.json (not a run directory)")
+    console.print(report.markdown(RunDir(run_dir)))
+
+
+def main() -> None:
+    """Console-script entry point: user errors become one line on stderr and exit code 2."""
+    try:
+        app()
+    except PipelineError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)

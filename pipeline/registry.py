@@ -1,0 +1,101 @@
+"""The registry of past runs: their manifests under `run.runs_root`, read back for retraining decisions.
+
+Two questions are answered here, for scheduled retraining: has anything changed since the last trained model
+(data fingerprint and training config), and is a new model at least as good as the one deployed (the champion)?
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import PipelineError
+from pipeline.manifest import MANIFEST, RunDir
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One past run as the registry sees it."""
+
+    path: Path
+    """The run directory."""
+    manifest: dict[str, Any]
+    """Its manifest.json."""
+
+    @property
+    def run_id(self) -> str:
+        """Directory name: sortable by creation time."""
+        return self.path.name
+
+    def stage(self, name: str) -> dict[str, Any]:
+        """The manifest entry of a stage ({} when it never ran)."""
+        return self.manifest.get("stages", {}).get(name, {})
+
+    @property
+    def val_accuracy(self) -> float | None:
+        """Validation accuracy the train stage reported."""
+        return self.stage("train").get("metrics", {}).get("val_accuracy")
+
+    @property
+    def deployed(self) -> bool:
+        """True when the deploy stage finished with every target active."""
+        return self.stage("deploy").get("status") == "done"
+
+
+def list_runs(root: Path) -> list[RunRecord]:
+    """Every run under `root`, newest first; unreadable manifests are skipped, not fatal."""
+    records = []
+    for manifest_path in sorted(root.glob(f"*/{MANIFEST}"), reverse=True):
+        try:
+            records.append(RunRecord(manifest_path.parent, RunDir(manifest_path.parent).manifest()))
+        except PipelineError:
+            continue
+    return records
+
+
+def champion(root: Path, exclude: Path | None = None) -> RunRecord | None:
+    """The newest run that was deployed everywhere: the model the fleet runs now."""
+    return next((r for r in list_runs(root) if r.deployed and r.path != exclude), None)
+
+
+def trained_with(root: Path, train_digest: str, data_fingerprint: str) -> RunRecord | None:
+    """The newest run that trained with exactly this config and data, if any."""
+    for record in list_runs(root):
+        train = record.stage("train")
+        if train.get("status") not in ("done", "cached"):
+            continue
+        if train.get("config_digest") == train_digest and train.get("inputs", {}).get("data") == data_fingerprint:
+            return record
+    return None
+
+
+@dataclass(frozen=True)
+class GateResult:
+    """Outcome of the champion/challenger gate, with the numbers behind it."""
+
+    passed: bool
+    challenger: float
+    champion: float | None
+    champion_run: str | None
+    tolerance: float
+
+    @property
+    def reason(self) -> str:
+        """One sentence a person can read in the report."""
+        if self.champion is None:
+            return f"no deployed model yet: challenger {self.challenger:.4f} is promoted"
+        verdict = "promoted" if self.passed else "not promoted"
+        return (
+            f"challenger {self.challenger:.4f} vs champion {self.champion:.4f} ({self.champion_run}) "
+            f"with tolerance {self.tolerance:.4f}: {verdict}"
+        )
+
+
+def promotion_gate(challenger: float, root: Path, tolerance: float, exclude: Path | None = None) -> GateResult:
+    """Promote when the challenger's accuracy is at least the champion's minus `tolerance`."""
+    best = champion(root, exclude=exclude)
+    if best is None or best.val_accuracy is None:
+        return GateResult(True, challenger, None, None, tolerance)
+    passed = challenger >= best.val_accuracy - tolerance
+    return GateResult(passed, challenger, best.val_accuracy, best.run_id, tolerance)

@@ -1,0 +1,75 @@
+"""The CLI on bad input: one line on stderr, exit code 2, no traceback, nothing overwritten."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import load_config
+from pipeline.manifest import create_run_dir
+
+
+def pipeline(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, capture_output=True, text=True)
+
+
+def _assert_one_line_error(proc: subprocess.CompletedProcess[str], needle: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ") and needle in lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.fixture
+def existing_run(tmp_path: Path) -> Path:
+    """A run directory with a manifest and config snapshot whose bytes the tests check are untouched."""
+    run = tmp_path / "run"
+    create_run_dir(load_config(), run)
+    return run
+
+
+def _snapshot(path: Path) -> dict[str, bytes]:
+    return {str(p): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_malformed_toml(tmp_path: Path, existing_run: Path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train]\nepochs = = 3\n")
+    before = _snapshot(existing_run)
+    _assert_one_line_error(
+        pipeline("run", "--config", str(bad), "--run-dir", str(existing_run), cwd=tmp_path), "bad.toml"
+    )
+    assert _snapshot(existing_run) == before
+
+
+def test_unknown_key_names_its_dotted_path(tmp_path: Path, existing_run: Path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[train]\nepochs = 3\nlearning_rate = 0.1\n")
+    before = _snapshot(existing_run)
+    proc = pipeline("run", "--config", str(cfg), "--run-dir", str(existing_run), cwd=tmp_path)
+    _assert_one_line_error(proc, "train.learning_rate: unknown key")
+    assert _snapshot(existing_run) == before
+
+
+def test_unknown_key_in_set(tmp_path: Path, existing_run: Path):
+    before = _snapshot(existing_run)
+    proc = pipeline("export", "--run-dir", str(existing_run), "--set", "export.tolerance=1", cwd=tmp_path)
+    _assert_one_line_error(proc, "export.tolerance: unknown key")
+    assert _snapshot(existing_run) == before
+
+
+def test_missing_config_file(tmp_path: Path):
+    proc = pipeline("run", "--config", str(tmp_path / "nope.toml"), cwd=tmp_path)
+    _assert_one_line_error(proc, "nope.toml: config file not found")
+    assert not (tmp_path / "artifacts").exists()
+
+
+def test_stage_on_a_directory_that_is_not_a_run(tmp_path: Path):
+    _assert_one_line_error(pipeline("consolidate", "--run-dir", str(tmp_path), cwd=tmp_path), "no config.json")
+
+
+def test_stage_with_missing_inputs(tmp_path: Path, existing_run: Path):
+    proc = pipeline("export", "--run-dir", str(existing_run), cwd=tmp_path)
+    _assert_one_line_error(proc, "model/model.safetensors (run the earlier stages first)")

@@ -1,0 +1,71 @@
+"""Config loading: TOML, --set overrides, and one-line errors naming the dotted key."""
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import DEFAULT_CONFIG, Config, load_config
+from pipeline.errors import PipelineError
+
+
+def test_quickstart_is_the_default_and_matches_the_model_defaults():
+    cfg = load_config()
+    assert cfg.data.source == "digits"
+    assert cfg.model.name == "small_cnn"
+    assert [t.name for t in cfg.deploy.targets] == ["local"]
+    assert load_config(DEFAULT_CONFIG) == cfg
+
+
+def test_set_overrides_are_read_as_toml_values():
+    cfg = load_config(None, ["train.epochs=3", "export.atol=1e-3", "run.name=nightly", "data.image_size = 24"])
+    assert (cfg.train.epochs, cfg.export.atol, cfg.run.name, cfg.data.image_size) == (3, 1e-3, "nightly", 24)
+
+
+def test_set_can_replace_a_list_of_tables():
+    cfg = load_config(None, ['deploy.targets=[{name="a", root="/tmp/a"}, {name="b", root="/tmp/b"}]'])
+    assert [t.name for t in cfg.deploy.targets] == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["train.epoch=3"], "train.epoch: unknown key"),
+        (["nosuch.key=1"], "nosuch: unknown key"),
+        (["train.epochs=zero"], "train.epochs: Input should be a valid integer"),
+        (["train.epochs=0"], "train.epochs: Input should be greater than or equal to 1"),
+        (["data.source=imagefolder"], "data: Value error, data.path is required"),
+        (["export.opt_batch=64"], "export: Value error, export.opt_batch must not exceed export.max_batch"),
+        (['deploy.targets=[{name="a", root="x"}, {name="a", root="y"}]'], "duplicate target name(s): a"),
+        (["train"], "--set 'train': expected section.key=value"),
+    ],
+)
+def test_bad_values_name_the_dotted_key(overrides, expected):
+    with pytest.raises(PipelineError) as err:
+        load_config(None, overrides)
+    assert expected in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_malformed_and_missing_files_are_one_line_errors(tmp_path: Path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nepochs = 3\n")
+    with pytest.raises(PipelineError, match=r"bad\.toml: invalid TOML"):
+        load_config(bad)
+    with pytest.raises(PipelineError, match=r"missing\.toml: config file not found"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_digest_depends_only_on_the_named_sections():
+    a, b = Config(), load_config(None, ["deploy.keep_releases=7"])
+    assert a.digest("train", "data") == b.digest("train", "data")
+    assert a.digest("deploy") != b.digest("deploy")
+
+
+def test_every_field_is_documented():
+    undocumented = [
+        f"{section}.{name}"
+        for section, info in Config.model_fields.items()
+        for name, field in info.annotation.model_fields.items()
+        if not field.description
+    ]
+    assert undocumented == []

@@ -1,0 +1,58 @@
+"""The stage runner: lineage in the manifest, caching on content hashes, never on paths or timestamps."""
+
+from pathlib import Path
+
+from pipeline.config import Config, load_config
+from pipeline.manifest import RunDir, StageResult, create_run_dir, run_stage
+
+
+def _copy_stage(run: RunDir, calls: list[str]):
+    """A stage that copies in.txt to out.txt, counting its calls."""
+
+    def body() -> StageResult:
+        calls.append("ran")
+        (run.path / "out.txt").write_text((run.path / "in.txt").read_text().upper())
+        return StageResult("copy", "done", {"out": "out.txt"}, {"chars": 3})
+
+    return body
+
+
+def _run(run: RunDir, cfg: Config, calls: list[str]) -> StageResult:
+    return run_stage(run, cfg, "copy", ("train",), ["in.txt"], _copy_stage(run, calls), log=lambda _: None)
+
+
+def test_unchanged_inputs_and_config_are_cached(tmp_path: Path):
+    cfg = Config()
+    run = create_run_dir(cfg, tmp_path / "run")
+    (run.path / "in.txt").write_text("abc")
+    calls: list[str] = []
+    assert _run(run, cfg, calls).status == "done"
+    second = _run(run, cfg, calls)
+    assert second.status == "cached" and second.metrics == {"chars": 3}
+    assert calls == ["ran"]
+    entry = run.manifest()["stages"]["copy"]
+    assert entry["inputs"] == {"in.txt": run.hashes(["in.txt"])["in.txt"]}
+    assert entry["output_hashes"] == run.hashes(["out.txt"])
+
+
+def test_changed_input_content_config_or_output_reruns(tmp_path: Path):
+    cfg = Config()
+    run = create_run_dir(cfg, tmp_path / "run")
+    (run.path / "in.txt").write_text("abc")
+    calls: list[str] = []
+    _run(run, cfg, calls)
+    (run.path / "in.txt").write_text("abd")  # same path, new content
+    _run(run, cfg, calls)
+    _run(run, load_config(None, ["train.epochs=2"]), calls)  # config the stage depends on
+    (run.path / "out.txt").write_text("tampered")
+    _run(run, load_config(None, ["train.epochs=2"]), calls)  # output changed behind our back
+    assert len(calls) == 4
+    _run(run, load_config(None, ["train.epochs=2", "deploy.keep_releases=9"]), calls)  # unrelated section
+    assert len(calls) == 4
+
+
+def test_config_snapshot_round_trips(tmp_path: Path):
+    cfg = load_config(None, ["train.epochs=5"])
+    run = create_run_dir(cfg, tmp_path / "run")
+    assert run.load_config() == cfg
+    assert run.manifest()["versions"]["torch"]

@@ -1,0 +1,54 @@
+"""The run registry: champion lookup, unchanged-data detection and the promotion gate."""
+
+from pathlib import Path
+
+from pipeline.config import load_config
+from pipeline.manifest import StageResult, create_run_dir
+from pipeline.registry import champion, list_runs, promotion_gate, trained_with
+
+
+def _fake_run(root: Path, run_id: str, accuracy: float, deployed: bool, data: str = "d1") -> Path:
+    cfg = load_config()
+    run = create_run_dir(cfg, root / run_id)
+    train = StageResult("train", "done", metrics={"val_accuracy": accuracy})
+    run.record(train, {"config_digest": "c1", "inputs": {"data": data}})
+    deploy = StageResult("deploy", "done" if deployed else "skipped")
+    run.record(deploy, {})
+    return run.path
+
+
+def test_champion_is_the_newest_deployed_run(tmp_path: Path):
+    _fake_run(tmp_path, "20260101-000000-aaaa", 0.90, deployed=True)
+    _fake_run(tmp_path, "20260102-000000-bbbb", 0.95, deployed=True)
+    _fake_run(tmp_path, "20260103-000000-cccc", 0.99, deployed=False)
+    assert [r.run_id for r in list_runs(tmp_path)] == [
+        "20260103-000000-cccc",
+        "20260102-000000-bbbb",
+        "20260101-000000-aaaa",
+    ]
+    best = champion(tmp_path)
+    assert best is not None and best.run_id == "20260102-000000-bbbb" and best.val_accuracy == 0.95
+
+
+def test_corrupt_manifest_is_skipped(tmp_path: Path):
+    _fake_run(tmp_path, "20260101-000000-aaaa", 0.90, deployed=True)
+    (tmp_path / "20260105-000000-zzzz").mkdir()
+    (tmp_path / "20260105-000000-zzzz/manifest.json").write_text("{not json")
+    assert [r.run_id for r in list_runs(tmp_path)] == ["20260101-000000-aaaa"]
+
+
+def test_gate_both_branches_and_the_first_model(tmp_path: Path):
+    first = promotion_gate(0.5, tmp_path, tolerance=0.01)
+    assert first.passed and first.champion is None and "no deployed model" in first.reason
+    _fake_run(tmp_path, "20260101-000000-aaaa", 0.96, deployed=True)
+    worse = promotion_gate(0.94, tmp_path, tolerance=0.01)
+    assert not worse.passed and worse.champion == 0.96 and "not promoted" in worse.reason
+    close = promotion_gate(0.955, tmp_path, tolerance=0.01)
+    assert close.passed and close.champion_run == "20260101-000000-aaaa"
+
+
+def test_trained_with_matches_config_and_data(tmp_path: Path):
+    _fake_run(tmp_path, "20260101-000000-aaaa", 0.9, deployed=False, data="d1")
+    assert trained_with(tmp_path, "c1", "d1") is not None
+    assert trained_with(tmp_path, "c1", "d2") is None
+    assert trained_with(tmp_path, "c2", "d1") is None
