@@ -2,7 +2,8 @@
 
 Tasks pass the run directory (a path), never tensors: each stage reads its inputs from disk and records them in the
 run's manifest, and the pipeline's own content-hash cache decides what to skip. Prefect's input caching is off
-because it would key on the path string, not on what the files hold.
+because it would key on the path string, not on what the files hold. The retraining rules (nothing new, champion
+vs challenger) are the same ones `pipeline run` applies: `pipeline.stages.run_pipeline`.
 """
 
 from __future__ import annotations
@@ -13,20 +14,46 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.client.schemas.objects import State, TaskRun
+from prefect.tasks import Task
 
+from flows.progress import training_progress
 from pipeline import report
-from pipeline.manifest import RunDir
-from pipeline.stages import STAGES, open_run, run_one
+from pipeline.errors import TransientError
+from pipeline.manifest import RunDir, StageResult
+from pipeline.stages import open_run, run_one, run_pipeline
+
+
+def transient(task: Task, task_run: TaskRun, state: State) -> bool:
+    """Retry only failures a retry can cure (unreachable hosts, dropped links), never a failed gate or bad input."""
+    return isinstance(state.result(raise_on_failure=False), TransientError)
+
+
+# Stages talking to devices or remote builders may meet a flaky link; training and export are deterministic.
+RETRIES: dict[str, dict[str, Any]] = {
+    stage: {"retries": 2, "retry_delay_seconds": 30, "retry_condition_fn": transient} for stage in ("build", "deploy")
+}
 
 
 @task(task_run_name="{stage}", cache_policy=NO_CACHE)
 def stage_task(stage: str, run_dir: str) -> dict[str, Any]:
     """Run one pipeline stage on the run directory with the config snapshotted there."""
     run = RunDir(Path(run_dir))
-    result = run_one(stage, run.load_config(), run, log=get_run_logger().info)
+    cfg = run.load_config()
+    with training_progress(run, cfg.train.epochs, enabled=stage == "train"):
+        result = run_one(stage, cfg, run, log=get_run_logger().info)
     return asdict(result)
+
+
+def publish(run: RunDir) -> None:
+    """The run's report, per-epoch metrics and deploy results as Prefect artifacts."""
+    create_markdown_artifact(report.write(run), key="train-to-deploy-report", description=f"run {run.path.name}")
+    if epochs := report.epoch_rows(run):
+        create_table_artifact(epochs, key="train-metrics", description=f"per-epoch metrics, run {run.path.name}")
+    if targets := report.deploy_rows(run):
+        create_table_artifact(targets, key="deploy-results", description=f"per-target deploy, run {run.path.name}")
 
 
 @flow(name="train-to-deploy", log_prints=True)
@@ -34,16 +61,23 @@ def train_to_deploy(
     config: str = "configs/quickstart.toml",
     run_dir: str | None = None,
     overrides: list[str] | None = None,
-) -> dict[str, dict[str, Any]]:
-    """Train, consolidate, export, build and deploy; returns each stage's result by name.
+) -> dict[str, Any]:
+    """Train, consolidate, export, build and deploy; returns each stage's result and why the run stopped, if early.
 
     `overrides` are `section.key=value` strings, as `--set` takes on the command line.
     """
-    _, run = open_run(Path(config), Path(run_dir) if run_dir else None, overrides)
-    get_run_logger().info("run directory: %s", run.path)
-    results = {stage: stage_task(stage, str(run.path)) for stage in STAGES}
-    create_markdown_artifact(report.write(run), key="train-to-deploy-report", description=f"run {run.path.name}")
-    return results
+    cfg, run = open_run(Path(config), Path(run_dir) if run_dir else None, overrides)
+    logger = get_run_logger()
+    logger.info("run directory: %s", run.path)
+
+    def execute(stage: str) -> StageResult:
+        return StageResult(**stage_task.with_options(**RETRIES.get(stage, {}))(stage, str(run.path)))
+
+    try:
+        outcome = run_pipeline(cfg, run, log=logger.info, execute=execute)
+    finally:
+        publish(run)
+    return {"stopped": outcome.stopped, "stages": {name: asdict(r) for name, r in outcome.results.items()}}
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ from pipeline import report
 from pipeline.config import Config
 from pipeline.errors import PipelineError
 from pipeline.manifest import RunDir
-from pipeline.stages import existing_run, open_run, run_all, run_one
+from pipeline.stages import existing_run, open_run, run_one, run_pipeline
 
 app = typer.Typer(
     help="Train-to-deploy pipeline for edge AI.",
@@ -64,11 +64,14 @@ def _show(run: RunDir) -> None:
 
 @app.command()
 def run(config: ConfigOpt = None, run_dir: RunDirOpt = None, set_: SetOpt = None) -> None:
-    """Run every stage: train, consolidate, export, build, deploy. Unchanged stages are skipped as cached."""
+    """Run every stage: train, consolidate, export, build, deploy. Unchanged stages are skipped as cached.
+
+    A model less accurate than the deployed one (beyond retrain.promotion_tolerance) stops before build.
+    """
     cfg, rd = open_run(config, run_dir, set_)
     console.print(f"run directory: [bold]{rd.path}[/bold]")
     try:
-        run_all(cfg, rd, log=log)
+        run_pipeline(cfg, rd, log=log)
     finally:
         report.write(rd)
         _show(rd)

@@ -151,6 +151,14 @@ class DeployConfig(Section):
         return self
 
 
+class RetrainConfig(Section):
+    only_on_new_data: bool = False
+    """End the run early, saying so, when data and training config are unchanged since the last trained run
+    (the nightly schedule sets this)."""
+    promotion_tolerance: float = Field(0.01, ge=0.0, le=1.0)
+    """Deploy a new model only when its validation accuracy is at least the deployed model's minus this."""
+
+
 class Config(Section):
     """The whole pipeline configuration."""
 
@@ -168,6 +176,8 @@ class Config(Section):
     """TensorRT engine build."""
     deploy: DeployConfig = Field(default_factory=DeployConfig)
     """Release to targets."""
+    retrain: RetrainConfig = Field(default_factory=RetrainConfig)
+    """Scheduled retraining: skip when nothing is new, promote only a model at least as good as the deployed one."""
 
     def digest(self, *sections: str) -> str:
         """sha256 of the named sections (all when none): the config part of a stage's cache key."""

@@ -14,3 +14,10 @@ class PipelineError(Exception):
 
     def __init__(self, message: str) -> None:
         super().__init__(" ".join(message.split()))
+
+
+class TransientError(PipelineError):
+    """A failure a retry may cure: an unreachable host, a dropped connection, a remote build that timed out.
+
+    Orchestrators (the Prefect flow) retry these and only these; every other PipelineError is deterministic.
+    """

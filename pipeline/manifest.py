@@ -126,6 +126,15 @@ class RunDir:
         manifest["stages"][result.stage] = {**asdict(result), **entry}
         write_json(self.manifest_path, manifest)
 
+    def annotate(self, *keys: str, value: Any) -> None:
+        """Set `manifest[k1][k2]... = value` (gate verdicts, why a run stopped), creating tables on the way."""
+        manifest = self.manifest()
+        node = manifest
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = value
+        write_json(self.manifest_path, manifest)
+
     def hashes(self, rel_paths: list[str]) -> dict[str, str]:
         """sha256 of each path relative to the run dir; directories hash their sorted files."""
         out: dict[str, str] = {}

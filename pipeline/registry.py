@@ -59,13 +59,13 @@ def champion(root: Path, exclude: Path | None = None) -> RunRecord | None:
     return next((r for r in list_runs(root) if r.deployed and r.path != exclude), None)
 
 
-def trained_with(root: Path, train_digest: str, data_fingerprint: str) -> RunRecord | None:
-    """The newest run that trained with exactly this config and data, if any."""
+def trained_with(root: Path, train_digest: str, fingerprints: dict[str, str]) -> RunRecord | None:
+    """The newest run whose training saw exactly this config and these inputs (data, initial weights), if any."""
     for record in list_runs(root):
         train = record.stage("train")
         if train.get("status") not in ("done", "cached"):
             continue
-        if train.get("config_digest") == train_digest and train.get("inputs", {}).get("data") == data_fingerprint:
+        if train.get("config_digest") == train_digest and train.get("inputs") == fingerprints:
             return record
     return None
 

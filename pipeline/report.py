@@ -1,20 +1,31 @@
-"""What a person reads after a run: a summary of every stage from the manifest, as a table and as report.md."""
+"""What a person reads after a run: report.md with the stage table, training curves, every gate and the deploy table.
+
+Everything here is read back from the run directory (manifest, metrics.jsonl, parity.json, results.json), so the
+report can be regenerated at any time with `pipeline runs show`.
+"""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from pipeline.manifest import RunDir
 from pipeline.stages import STAGES
 
+CURVES = "report/curves.png"
 # The one number per stage worth seeing at a glance.
 HEADLINE = {
     "train": ("val_accuracy", "val accuracy {:.4f}"),
     "consolidate": ("parameters", "{:,} parameters"),
-    "export": ("max_abs_diff", "parity max |diff| {:.2e}"),
+    "export": ("max_abs_diff", "parity max abs diff {:.2e}"),
     "build": ("engine_mb", "engine {:.1f} MB"),
     "deploy": ("active", "{} target(s) active"),
 }
+
+
+def _read_json(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def stage_rows(run: RunDir) -> list[dict[str, Any]]:
@@ -22,10 +33,7 @@ def stage_rows(run: RunDir) -> list[dict[str, Any]]:
     stages = run.manifest().get("stages", {})
     rows = []
     for name in STAGES:
-        entry = stages.get(name)
-        if entry is None:
-            rows.append({"stage": name, "status": "not run", "seconds": None, "summary": "", "outputs": {}})
-            continue
+        entry = stages.get(name, {"status": "not run"})
         key, fmt = HEADLINE[name]
         value = entry.get("metrics", {}).get(key)
         if entry["status"] == "skipped":
@@ -37,37 +45,127 @@ def stage_rows(run: RunDir) -> list[dict[str, Any]]:
                 "stage": name,
                 "status": entry["status"],
                 "seconds": entry.get("seconds"),
-                "summary": summary or "",
+                "summary": summary,
                 "outputs": entry.get("outputs", {}),
             }
         )
     return rows
 
 
+def epoch_rows(run: RunDir) -> list[dict[str, Any]]:
+    """Per-epoch validation metrics and mean training loss from train/metrics.jsonl."""
+    path = run.path / "train/metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for line in (x for x in lines if "val_accuracy" in x):
+        losses = [x["loss"] for x in lines if "step" in x and x.get("epoch") == line["epoch"]]
+        mean_loss = sum(losses) / len(losses) if losses else float("nan")
+        rows.append(
+            {"epoch": line["epoch"], "train_loss": mean_loss, **{k: line.get(k) for k in ("val_loss", "val_accuracy")}}
+        )
+    return rows
+
+
+def plot_curves(run: RunDir, rows: list[dict[str, Any]]) -> Path | None:
+    """Loss and accuracy per epoch as a PNG beside the report; None when there is nothing to plot."""
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers and workers
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    epochs = [r["epoch"] for r in rows]
+    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(9, 3.2))
+    loss_ax.plot(epochs, [r["train_loss"] for r in rows], marker="o", label="train")
+    loss_ax.plot(epochs, [r["val_loss"] for r in rows], marker="o", label="validation")
+    loss_ax.set(title="loss", xlabel="epoch")
+    loss_ax.legend()
+    acc_ax.plot(epochs, [r["val_accuracy"] for r in rows], marker="o", color="tab:green")
+    acc_ax.set(title="validation accuracy", xlabel="epoch", ylim=(0, 1))
+    for ax in (loss_ax, acc_ax):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.tight_layout()
+    path = run.path / CURVES
+    path.parent.mkdir(exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
+    def cell(value: Any) -> str:
+        return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return lines + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+
+
+def _gates(run: RunDir) -> list[str]:
+    lines = ["## Gates", ""]
+    parity = _read_json(run.path / "onnx/parity.json")
+    if parity:
+        keys = ["max_abs_diff", "atol", "top1_agreement", "onnx_accuracy", "torch_accuracy", "passed"]
+        lines += ["ONNX Runtime vs PyTorch (fp32):", "", *_table(keys, [[parity.get(k, "") for k in keys]]), ""]
+        variants = parity.get("variants", {})
+        if variants:
+            keys = ["accuracy", "drop", "max_abs_diff", "passed"]
+            rows = [[name, *(v.get(k, "") for k in keys)] for name, v in variants.items()]
+            lines += ["Precision variants:", "", *_table(["variant", *keys], rows), ""]
+    promotion = run.manifest().get("gates", {}).get("promotion")
+    if promotion:
+        lines += [f"Promotion: {'passed' if promotion['passed'] else 'failed'}: {promotion['reason']}", ""]
+    return lines if len(lines) > 2 else []
+
+
+def deploy_rows(run: RunDir) -> list[dict[str, Any]]:
+    """Per-target deploy results (flat: status, release, bytes, seconds, reason); [] before any deploy."""
+    results = _read_json(run.path / "deploy/results.json")
+    if not results:
+        return []
+    keys = ["target", "status", "release", "bytes_copied", "bytes_sent", "seconds", "reason"]
+    keys = [k for k in keys if any(k in t for t in results["targets"])]
+    return [{k: t.get(k, "") for k in keys} for t in results["targets"]]
+
+
+def _deploy(run: RunDir) -> list[str]:
+    rows = deploy_rows(run)
+    if not rows:
+        return []
+    return ["## Deploy", "", *_table(list(rows[0]), [list(r.values()) for r in rows]), ""]
+
+
 def markdown(run: RunDir) -> str:
-    """The run's report.md: identity, a stage table, and where every output lies."""
+    """The run's report.md: identity, stage table, training curves, gates, deploy table and outputs."""
     manifest = run.manifest()
+    name = manifest.get("config", {}).get("run", {}).get("name", "?")
     lines = [
         f"# Run {manifest.get('run_id', run.path.name)}",
         "",
-        f"Config `{manifest.get('config', {}).get('run', {}).get('name', '?')}`, "
-        f"created {manifest.get('created', '?')}.",
-        "",
-        "| stage | status | seconds | result |",
-        "|---|---|---:|---|",
+        f"Config `{name}`, created {manifest.get('created')}.",
     ]
+    if manifest.get("stopped"):
+        lines += ["", f"**Stopped early:** {manifest['stopped']}"]
     rows = stage_rows(run)
-    for row in rows:
-        seconds = f"{row['seconds']:.1f}" if row["seconds"] is not None else ""
-        lines.append(f"| {row['stage']} | {row['status']} | {seconds} | {row['summary']} |")
-    lines += ["", "## Outputs", ""]
-    for row in rows:
-        lines += [f"- {row['stage']}: `{path}`" for path in row["outputs"].values()]
+    stage_table = [[r["stage"], r["status"], f"{r['seconds']:.1f}" if r["seconds"] else "", r["summary"]] for r in rows]
+    lines += ["", *_table(["stage", "status", "seconds", "result"], stage_table), ""]
+    epochs = epoch_rows(run)
+    if epochs:
+        keys = ["epoch", "train_loss", "val_loss", "val_accuracy"]
+        lines += ["## Training", "", *_table(keys, [[e[k] for k in keys] for e in epochs]), ""]
+        if (run.path / CURVES).exists():
+            lines += [f"![loss and accuracy]({CURVES})", ""]
+    lines += _gates(run) + _deploy(run) + ["## Outputs", ""]
+    lines += [f"- {r['stage']}: `{path}`" for r in rows for path in r["outputs"].values()]
     return "\n".join(lines) + "\n"
 
 
 def write(run: RunDir) -> str:
-    """Write report.md into the run directory and return its text."""
+    """Plot the curves, write report.md into the run directory and return its text."""
+    plot_curves(run, epoch_rows(run))
     text = markdown(run)
     (run.path / "report.md").write_text(text)
     return text

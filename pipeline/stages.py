@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from pipeline import registry
 from pipeline.config import DEFAULT_CONFIG, Config, apply_overrides, load_config, validate
 from pipeline.errors import PipelineError
 from pipeline.manifest import CONFIG_SNAPSHOT, RunDir, StageResult, create_run_dir, read_json
@@ -60,6 +62,58 @@ def run_one(stage: str, cfg: Config, run: RunDir, log: Callable[[str], None] = p
     return module.run(cfg, run, log=log)
 
 
-def run_all(cfg: Config, run: RunDir, log: Callable[[str], None] = print) -> list[StageResult]:
-    """Run every stage in order; a stage that fails stops the chain with its error."""
-    return [run_one(stage, cfg, run, log) for stage in STAGES]
+Execute = Callable[[str], StageResult]
+
+
+@dataclass
+class Outcome:
+    """How a whole pipeline run ended."""
+
+    results: dict[str, StageResult] = field(default_factory=dict)
+    """Result of every stage that ran (or was cached), by name."""
+    stopped: str = ""
+    """Why the run ended before deploy without an error (nothing new, not promoted); empty when it ran through."""
+
+
+def nothing_new(cfg: Config, run: RunDir) -> str:
+    """Why training can be skipped ("" when it can't): an earlier run trained on the same data and config."""
+    from pipeline import train
+
+    same = registry.trained_with(cfg.run.runs_root, cfg.digest(*train.SECTIONS), train.fingerprints(cfg))
+    if same is None or same.path.resolve() == run.path.resolve():
+        return ""
+    return f"nothing new: data and training config unchanged since run {same.run_id}"
+
+
+def promote(cfg: Config, run: RunDir) -> registry.GateResult:
+    """The champion/challenger gate on validation accuracy, recorded in the manifest under gates.promotion."""
+    challenger = run.manifest()["stages"]["train"]["metrics"]["val_accuracy"]
+    gate = registry.promotion_gate(
+        challenger, cfg.run.runs_root, cfg.retrain.promotion_tolerance, exclude=run.path.resolve()
+    )
+    run.annotate("gates", "promotion", value={**asdict(gate), "reason": gate.reason})
+    return gate
+
+
+def run_pipeline(
+    cfg: Config, run: RunDir, log: Callable[[str], None] = print, execute: Execute | None = None
+) -> Outcome:
+    """Run the stages in order, with the retraining rules between them.
+
+    `execute` runs one stage by name (the Prefect flow passes one that submits a task); by default stages run here.
+    With `retrain.only_on_new_data`, an unchanged run ends before training. After export, a model worse than the
+    deployed champion (beyond `retrain.promotion_tolerance`) ends the run before build and deploy.
+    """
+    execute = execute or (lambda stage: run_one(stage, cfg, run, log))
+    outcome = Outcome()
+    if cfg.retrain.only_on_new_data and (reason := nothing_new(cfg, run)):
+        outcome.stopped = reason
+    for stage in STAGES if not outcome.stopped else ():
+        if stage == "build" and not (gate := promote(cfg, run)).passed:
+            outcome.stopped = f"stopped before build: {gate.reason}"
+            break
+        outcome.results[stage] = execute(stage)
+    if outcome.stopped:
+        run.annotate("stopped", value=outcome.stopped)
+        log(f"[run] {outcome.stopped}")
+    return outcome

@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _pipeline_run(run_dir: Path, device: Path) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "pipeline", "run", "--config", "configs/quickstart.toml", "--run-dir", str(run_dir)]
-    cmd += ["--set", f'deploy.targets=[{{name="local", root="{device}"}}]']
+    cmd += ["--set", f'deploy.targets=[{{name="local", root="{device}"}}]', "--set", f"run.runs_root={run_dir.parent}"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc

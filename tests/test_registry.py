@@ -49,6 +49,7 @@ def test_gate_both_branches_and_the_first_model(tmp_path: Path):
 
 def test_trained_with_matches_config_and_data(tmp_path: Path):
     _fake_run(tmp_path, "20260101-000000-aaaa", 0.9, deployed=False, data="d1")
-    assert trained_with(tmp_path, "c1", "d1") is not None
-    assert trained_with(tmp_path, "c1", "d2") is None
-    assert trained_with(tmp_path, "c2", "d1") is None
+    assert trained_with(tmp_path, "c1", {"data": "d1"}) is not None
+    assert trained_with(tmp_path, "c1", {"data": "d2"}) is None
+    assert trained_with(tmp_path, "c1", {"data": "d1", "weights": "w"}) is None
+    assert trained_with(tmp_path, "c2", {"data": "d1"}) is None

@@ -10,12 +10,19 @@ from flows.train_to_deploy import train_to_deploy
 
 
 def _overrides(tmp_path: Path, epochs: int = 3) -> list[str]:
-    return [f"train.epochs={epochs}", f'deploy.targets=[{{name="edge", root="{tmp_path / "device"}"}}]']
+    """A short run whose registry (runs_root) and device live in the test's own directory."""
+    return [
+        f"train.epochs={epochs}",
+        f"run.runs_root={tmp_path / 'runs'}",
+        f'deploy.targets=[{{name="edge", root="{tmp_path / "device"}"}}]',
+    ]
 
 
 def test_flow_runs_every_stage_and_deploys(tmp_path: Path):
     run_dir = tmp_path / "run"
-    results = train_to_deploy(run_dir=str(run_dir), overrides=_overrides(tmp_path))
+    out = train_to_deploy(run_dir=str(run_dir), overrides=_overrides(tmp_path))
+    results = out["stages"]
+    assert out["stopped"] == ""
 
     assert [results[s]["status"] for s in ("train", "consolidate", "export", "deploy")] == ["done"] * 4
     assert results["train"]["metrics"]["val_accuracy"] >= 0.8
@@ -39,3 +46,29 @@ def test_flow_fails_when_a_stage_fails(tmp_path: Path):
     assert state.is_failed()
     with pytest.raises(Exception, match=r"data\.path"):
         state.result()
+
+
+def test_retraining_skips_unchanged_data_and_promotes_only_a_good_enough_model(tmp_path: Path):
+    base = [*_overrides(tmp_path, epochs=2), "run.seed=1"]
+    champion = train_to_deploy(overrides=base)
+    assert champion["stages"]["deploy"]["status"] == "done"
+    current = os.readlink(tmp_path / "device/current")
+
+    unchanged = train_to_deploy(overrides=[*base, "retrain.only_on_new_data=true"])
+    assert unchanged["stopped"].startswith("nothing new") and unchanged["stages"] == {}
+
+    # A model trained with a learning rate far too small is much worse than the champion: not promoted.
+    worse = [*_overrides(tmp_path, epochs=1), "train.lr=1e-6"]
+    run_dir = str(tmp_path / "runs/challenger")
+    rejected = train_to_deploy(run_dir=run_dir, overrides=worse)
+    assert "not promoted" in rejected["stopped"] and "deploy" not in rejected["stages"]
+    gate = json.loads((tmp_path / "runs/challenger/manifest.json").read_text())["gates"]["promotion"]
+    assert not gate["passed"] and gate["challenger"] < gate["champion"] - gate["tolerance"]
+    assert os.readlink(tmp_path / "device/current") == current
+    assert "Stopped early" in (tmp_path / "runs/challenger/report.md").read_text()
+
+    # The same model with a tolerance wide enough passes the gate; training and export are cached.
+    accepted = train_to_deploy(run_dir=run_dir, overrides=[*worse, "retrain.promotion_tolerance=1.0"])
+    assert accepted["stopped"] == "" and accepted["stages"]["train"]["status"] == "cached"
+    assert accepted["stages"]["deploy"]["status"] == "done"
+    assert os.readlink(tmp_path / "device/current") != current

@@ -1,0 +1,40 @@
+"""prefect.yaml: the deployments people run, the nightly schedule's next run times (computed offline)."""
+
+import asyncio
+import datetime as dt
+from pathlib import Path
+from zoneinfo import ZoneInfo
+
+import yaml
+from prefect.server.schemas.schedules import CronSchedule
+
+from pipeline.stages import STAGES
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _deployments() -> dict[str, dict]:
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    return {d["name"]: d for d in spec["deployments"]}
+
+
+def test_every_stage_and_the_whole_chain_have_a_deployment():
+    deployments = _deployments()
+    assert deployments["nightly"]["entrypoint"] == "flows/train_to_deploy.py:train_to_deploy"
+    for stage in STAGES:
+        assert deployments[stage]["entrypoint"] == "flows/stage.py:pipeline_stage"
+        assert deployments[stage]["parameters"]["stage"] == stage
+    assert {d["work_pool"]["name"] for d in deployments.values()} == {"edge-local"}
+
+
+def test_nightly_runs_at_three_in_berlin_with_parameters_on_the_deployment():
+    nightly = _deployments()["nightly"]
+    (schedule,) = nightly["schedules"]
+    # Prefect 3.9.1 drops per-schedule parameters on pause/resume: they must live on the deployment.
+    assert "parameters" not in schedule
+    assert "retrain.only_on_new_data=true" in nightly["parameters"]["overrides"]
+    start = dt.datetime(2026, 3, 27, 12, tzinfo=ZoneInfo("UTC"))  # spans the switch to summer time
+    dates = asyncio.run(CronSchedule(cron=schedule["cron"], timezone=schedule["timezone"]).get_dates(n=3, start=start))
+    local = [d.astimezone(ZoneInfo("Europe/Berlin")) for d in dates]
+    assert [(d.day, d.hour, d.minute) for d in local] == [(28, 3, 0), (29, 3, 0), (30, 3, 0)]
+    assert [d.utcoffset() for d in local] == [dt.timedelta(hours=1), dt.timedelta(hours=2), dt.timedelta(hours=2)]
