@@ -158,27 +158,33 @@ def _print_targets(rows: list[dict]) -> None:
 
 @runs_app.command("list")
 def runs_list(
-    root: Annotated[Path, typer.Option(help="Where runs live.")] = Path("artifacts/runs"),
+    root: Annotated[Path, typer.Option(help="Where runs live (run.runs_root).")] = Path("artifacts/runs"),
 ) -> None:
-    """List runs, newest first, with each stage's status."""
+    """List runs, newest first: validation accuracy, each stage's status, and which run the fleet runs now."""
+    from pipeline import registry
     from pipeline.stages import STAGES
 
+    runs = registry.list_runs(root)
+    champion = next((r for r in runs if r.deployed), None)
     table = Table()
-    table.add_column("run")
-    for stage in STAGES:
-        table.add_column(stage)
-    for path in sorted((p for p in root.glob("*/manifest.json")), reverse=True):
-        rows = {r["stage"]: r["status"] for r in report.stage_rows(RunDir(path.parent))}
-        table.add_row(path.parent.name, *(rows[s] for s in STAGES))
+    for col in ("run", "val acc", *STAGES, "note"):
+        table.add_column(col)
+    for record in runs:
+        statuses = [record.stage(s).get("status", "-") for s in STAGES]
+        accuracy = f"{record.val_accuracy:.4f}" if record.val_accuracy is not None else "-"
+        note = "deployed (champion)" if record is champion else record.manifest.get("stopped", "")
+        table.add_row(record.run_id, accuracy, *statuses, note)
     console.print(table)
 
 
 @runs_app.command("show")
 def runs_show(run_dir: Annotated[Path, typer.Argument(help="Run directory.")]) -> None:
     """Show one run's report."""
+    from rich.markdown import Markdown
+
     if not (run_dir / "manifest.json").exists():
         raise PipelineError(f"{run_dir}: no manifest.json (not a run directory)")
-    console.print(report.markdown(RunDir(run_dir)))
+    console.print(Markdown(report.markdown(RunDir(run_dir))))
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
 """The CLI on bad input: one line on stderr, exit code 2, no traceback, nothing overwritten."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,8 @@ from pipeline.manifest import create_run_dir
 
 
 def pipeline(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, capture_output=True, text=True)
+    env = {**os.environ, "COLUMNS": "200"}  # wide enough that rich tables are not cut
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, capture_output=True, text=True, env=env)
 
 
 def _assert_one_line_error(proc: subprocess.CompletedProcess[str], needle: str) -> None:
@@ -73,3 +75,21 @@ def test_stage_on_a_directory_that_is_not_a_run(tmp_path: Path):
 def test_stage_with_missing_inputs(tmp_path: Path, existing_run: Path):
     proc = pipeline("export", "--run-dir", str(existing_run), cwd=tmp_path)
     _assert_one_line_error(proc, "model/model.safetensors (run the earlier stages first)")
+
+
+def test_runs_list_and_show(tmp_path: Path):
+    from pipeline.manifest import StageResult
+
+    for run_id, accuracy, deployed in (("20260101-000000-aaaa", 0.91, True), ("20260102-000000-bbbb", 0.97, False)):
+        run = create_run_dir(load_config(), tmp_path / run_id)
+        run.record(StageResult("train", "done", metrics={"val_accuracy": accuracy}), {})
+        if deployed:
+            run.record(StageResult("deploy", "done"), {})
+    listing = pipeline("runs", "list", "--root", str(tmp_path), cwd=tmp_path)
+    assert listing.returncode == 0, listing.stderr
+    champion_line = next(line for line in listing.stdout.splitlines() if "20260101" in line)
+    assert "0.9100" in champion_line and "deployed (champion)" in champion_line
+    assert listing.stdout.index("20260102") < listing.stdout.index("20260101")  # newest first
+    shown = pipeline("runs", "show", str(tmp_path / "20260102-000000-bbbb"), cwd=tmp_path)
+    assert shown.returncode == 0 and "val accuracy 0.9700" in shown.stdout
+    _assert_one_line_error(pipeline("runs", "show", str(tmp_path), cwd=tmp_path), "not a run directory")
