@@ -48,6 +48,7 @@ def run(
     node_rank: int = 0,
     rdzv_endpoint: str | None = None,
     nproc_per_node: int | None = None,
+    output: Callable[[str], None] | None = None,
 ) -> StageResult:
     """Train (or resume training) into `run`'s train/ directory; cached when data, model and config are unchanged.
 
@@ -56,7 +57,7 @@ def run(
     """
 
     def body() -> StageResult:
-        launch(cfg, run.path, nnodes, node_rank, rdzv_endpoint, nproc_per_node)
+        launch(cfg, run.path, nnodes, node_rank, rdzv_endpoint, nproc_per_node, output)
         if node_rank != 0:
             return StageResult(STAGE, "done", reason=f"node {node_rank} of {nnodes}: node 0 holds the outputs")
         summary = read_json(run.path / layout.SUMMARY)

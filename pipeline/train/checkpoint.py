@@ -3,7 +3,9 @@
 Layout, which the consolidate stage reads::
 
     train/checkpoints/step-<N>/   DCP checkpoint of {"model": ..., "optim": ...} from ``get_state_dict``
-                                  (plain model keys, no "module." prefix) and trainer.json (epoch, step, ...)
+                                  (plain model keys, no "module." prefix, the same under DDP and FSDP),
+                                  rng-<rank>.pt (each rank's torch RNG state) and trainer.json (epoch, step,
+                                  the position in an unfinished epoch, the gradient scaler's state)
     train/checkpoints/latest      relative symlink -> step-<N>, repointed only once step-<N> is complete
 
 Every rank calls :func:`save` and :func:`load` (they are collectives); only rank 0 touches the pointer and prunes.
@@ -18,6 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -100,6 +103,8 @@ def save(root: Path, model: nn.Module, optim: Optimizer, meta: dict[str, Any], k
     dist.barrier()
     # dcp.save returns on rank 0 only after every rank's shard is written and the metadata is saved.
     dcp.save(_state(model, optim), checkpoint_id=target)
+    torch.save(torch.get_rng_state(), target / f"rng-{dist.get_rank()}.pt")
+    dist.barrier()  # every rank's RNG file is on disk before the checkpoint is declared complete
     if dist.get_rank() == 0:
         write_json(target / TRAINER_JSON, meta)
         _point_latest(root, target.name)
@@ -114,4 +119,7 @@ def load(step_dir: Path, model: nn.Module, optim: Optimizer) -> dict[str, Any]:
     state = _state(model, optim)
     dcp.load(state, checkpoint_id=step_dir)
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rng = step_dir / f"rng-{dist.get_rank()}.pt"
+    if rng.is_file():  # absent when the world grew: such a rank keeps its own seed
+        torch.set_rng_state(torch.load(rng, weights_only=True))
     return meta

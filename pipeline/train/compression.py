@@ -1,38 +1,64 @@
-"""Gradient compression as DDP communication hooks, each counting the bytes it puts on the wire.
+"""Gradient compression as DDP communication hooks, each counting the bytes it puts on the wire and the time it takes.
 
-A method is a factory in :data:`HOOKS`: given the process group and a :class:`CommCounter`, it returns the
-(state, hook) pair for ``DistributedDataParallel.register_comm_hook``. New methods (PowerSGD, top-k, sign,
-local SGD) slot in as further entries; each counts its own payload, since only it knows what it sends.
+A method is a factory in :data:`HOOKS`: given the train config, the process group and a :class:`CommCounter`, it
+returns the (state, hook) pair for ``DistributedDataParallel.register_comm_hook``. Each counts its own payload,
+since only it knows what it sends. :func:`install` registers one and returns a :class:`Compression`, whose
+:meth:`Compression.after_step` runs what a method does after the optimizer step (local SGD's model averaging).
+
+Gloo constraints shape the methods (NOTES.md): PowerSGD waits for its own future before returning, so ranks issue
+its P/Q all-reduces in the same order whatever the number of buckets; top-k and sign gather into buffers of their
+own and key their error feedback by bucket index (DDP rebuilds its buckets after the first step).
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as live objects (GradBucket, Future).
+import math
+import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.nn.parallel import DistributedDataParallel
 
+from pipeline.config import TrainConfig
+
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
-HookFactory = Callable[[dist.ProcessGroup | None, "CommCounter"], tuple[Any, CommHook]]
+HookFactory = Callable[[TrainConfig, dist.ProcessGroup | None, "CommCounter"], tuple[Any, CommHook]]
+_BIT_SHIFTS = torch.arange(7, -1, -1, dtype=torch.uint8)
 
 
 @dataclass
 class CommCounter:
-    """Bytes of gradient payload this rank handed to collectives since the last :meth:`take`.
+    """Bytes of gradient (or, for local SGD, parameter) payload this rank handed to collectives, and the seconds
+    they took, since the last :meth:`take`.
 
     The payload, not the algorithm's traffic: a ring all-reduce moves about 2(n-1)/n times this over the links,
-    the same factor for every method, so the counter compares methods fairly.
+    the same factor for every method, so the counter compares methods fairly. The seconds run from handing a
+    bucket to the method until its averaged gradient is back (compression included), summed over buckets; for
+    asynchronous methods they overlap the backward pass.
     """
 
     bytes: int = 0
+    seconds: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def take(self) -> int:
-        """Return the count and reset it (called once per optimizer step)."""
-        count, self.bytes = self.bytes, 0
-        return count
+    def add(self, nbytes: int = 0, seconds: float = 0.0) -> None:
+        """Record a payload or a duration; safe from the gloo threads that complete futures."""
+        with self._lock:
+            self.bytes += nbytes
+            self.seconds += seconds
+
+    def take(self) -> tuple[int, float]:
+        """Return (bytes, seconds) and reset both (called once per optimizer step)."""
+        with self._lock:
+            taken = (self.bytes, self.seconds)
+            self.bytes, self.seconds = 0, 0.0
+        return taken
 
 
 @dataclass
@@ -41,14 +67,50 @@ class _CountingState:
     counter: CommCounter
 
 
-def _counting(inner: Callable[..., torch.futures.Future[torch.Tensor]], wire: torch.dtype | None) -> HookFactory:
+def _timed(counter: CommCounter, hook: CommHook) -> CommHook:
+    """Wrap a hook so the time until its future completes is added to the counter."""
+
+    def timed(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        start = time.perf_counter()
+
+        def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            counter.add(seconds=time.perf_counter() - start)
+            return fut.value()
+
+        return hook(state, bucket).then(done)
+
+    return timed
+
+
+def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(tensor)
+    return fut
+
+
+class _Steps:
+    """Optimizer steps seen by a hook: DDP calls the last bucket (`is_last`) once per synchronised step."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup, self.done = warmup, 0
+
+    def warming(self) -> bool:
+        """True while plain all-reduce is still due."""
+        return self.done < self.warmup
+
+    def tick(self, bucket: dist.GradBucket) -> None:
+        """Count a step when its last bucket passes."""
+        if bucket.is_last():
+            self.done += 1
+
+
+def _stock(inner: Callable[..., torch.futures.Future[torch.Tensor]], wire: torch.dtype | None) -> HookFactory:
     """Wrap a stock torch hook that takes (process_group, bucket): count numel * wire element size, then delegate."""
 
-    def factory(group: dist.ProcessGroup | None, counter: CommCounter) -> tuple[Any, CommHook]:
+    def factory(cfg: TrainConfig, group: dist.ProcessGroup | None, counter: CommCounter) -> tuple[Any, CommHook]:
         def hook(state: _CountingState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
             buffer = bucket.buffer()
-            itemsize = (wire or buffer.dtype).itemsize
-            state.counter.bytes += buffer.numel() * itemsize
+            state.counter.add(buffer.numel() * (wire or buffer.dtype).itemsize)
             return inner(state.group, bucket)
 
         return _CountingState(group, counter), hook
@@ -56,16 +118,190 @@ def _counting(inner: Callable[..., torch.futures.Future[torch.Tensor]], wire: to
     return factory
 
 
+def _powersgd(cfg: TrainConfig, group: dist.ProcessGroup | None, counter: CommCounter) -> tuple[Any, CommHook]:
+    state = powerSGD_hook.PowerSGDState(
+        process_group=group,
+        matrix_approximation_rank=cfg.powersgd_rank,
+        start_powerSGD_iter=cfg.compression_warmup_steps,
+        use_error_feedback=True,
+        warm_start=True,
+    )
+
+    def hook(state: powerSGD_hook.PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        warming = state.iter < state.start_powerSGD_iter
+        before = state.total_numel_after_compression
+        fut = powerSGD_hook.powerSGD_hook(state, bucket)
+        buffer = bucket.buffer()
+        # PowerSGD tallies the elements it sends once compressing (P, Q and the tensors it leaves uncompressed).
+        numel = buffer.numel() if warming else state.total_numel_after_compression - before
+        counter.add(numel * buffer.element_size())
+        fut.wait()  # gloo: its P/Q all-reduces start from callbacks; waiting keeps every rank's order the same
+        return fut
+
+    return state, hook
+
+
+@dataclass
+class _SparseState:
+    """Error feedback per bucket index (reset when DDP rebuilds a bucket with a different size) and a step count."""
+
+    group: dist.ProcessGroup | None
+    counter: CommCounter
+    steps: _Steps
+    residuals: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def corrected(self, bucket: dist.GradBucket) -> torch.Tensor:
+        """This bucket's gradient plus what earlier steps did not send."""
+        grad = bucket.buffer()
+        residual = self.residuals.get(bucket.index())
+        return grad.clone() if residual is None or residual.shape != grad.shape else grad + residual
+
+    def gather(self, payload: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's payload (same shape on all), counted as this rank's bytes on the wire."""
+        self.counter.add(payload.numel() * payload.element_size())
+        out = [torch.empty_like(payload) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(out, payload, group=self.group)
+        return out
+
+
+def _sparse(compress: Callable[[_SparseState, dist.GradBucket], torch.Tensor]) -> HookFactory:
+    """A synchronous all_gather-based method with error feedback, plain all-reduce during warm-up."""
+
+    def factory(cfg: TrainConfig, group: dist.ProcessGroup | None, counter: CommCounter) -> tuple[Any, CommHook]:
+        def hook(state: _SparseState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            if state.steps.warming():
+                state.steps.tick(bucket)
+                state.counter.add(bucket.buffer().numel() * bucket.buffer().element_size())
+                return default_hooks.allreduce_hook(state.group, bucket)
+            state.steps.tick(bucket)
+            return _completed(compress(state, bucket))
+
+        return _SparseState(group, counter, _Steps(cfg.compression_warmup_steps)), hook
+
+    return factory
+
+
+def topk_size(numel: int, fraction: float) -> int:
+    """Entries top-k sends for a bucket of `numel` gradients: at least one."""
+    return max(1, math.ceil(numel * fraction))
+
+
+def _topk(fraction: float) -> Callable[[_SparseState, dist.GradBucket], torch.Tensor]:
+    def compress(state: _SparseState, bucket: dist.GradBucket) -> torch.Tensor:
+        corrected = state.corrected(bucket)
+        k = topk_size(corrected.numel(), fraction)
+        index = corrected.abs().topk(k, sorted=False).indices
+        values = corrected[index]
+        corrected[index] = 0.0
+        state.residuals[bucket.index()] = corrected
+        # One collective: the int32 indices travel bit-for-bit inside the fp32 payload.
+        payload = torch.cat([values.float(), index.to(torch.int32).view(torch.float32)])
+        dense = torch.zeros_like(corrected)
+        for part in state.gather(payload):
+            dense.index_add_(0, part[k:].view(torch.int32).long(), part[:k].to(dense.dtype))
+        return dense.div_(dist.get_world_size(state.group))
+
+    return compress
+
+
+def pack_signs(tensor: torch.Tensor) -> torch.Tensor:
+    """1 bit per element (1 for >= 0), 8 to a byte, most significant first; padded with ones."""
+    bits = tensor.flatten() >= 0
+    bits = torch.cat([bits, bits.new_ones((-bits.numel()) % 8)]).view(-1, 8).to(torch.uint8)
+    return (bits << _BIT_SHIFTS).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_signs(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """±1.0 per element from :func:`pack_signs` output."""
+    bits = (packed.unsqueeze(1) >> _BIT_SHIFTS) & 1
+    return bits.flatten()[:numel].float().mul_(2.0).sub_(1.0)
+
+
+def sign_size(sizes: list[int]) -> int:
+    """Bytes sign sends for a bucket of tensors with these element counts: the packed bits and an fp32 scale each."""
+    return math.ceil(sum(sizes) / 8) + 4 * len(sizes)
+
+
+def _sign(state: _SparseState, bucket: dist.GradBucket) -> torch.Tensor:
+    corrected = state.corrected(bucket)
+    n = corrected.numel()
+    # One scale per tensor: a bucket mixes layers whose gradients differ by orders of magnitude.
+    sizes = torch.tensor([p.numel() for p in bucket.parameters()])
+    scales = torch.stack([seg.abs().mean() for seg in corrected.split(sizes.tolist())]).float()
+    packed = pack_signs(corrected)
+    state.residuals[bucket.index()] = corrected - scales.repeat_interleave(sizes) * unpack_signs(packed, n)
+    mean = torch.zeros_like(corrected)
+    for part in state.gather(torch.cat([packed, scales.view(torch.uint8)])):
+        bits, their_scales = part[: packed.numel()], part[packed.numel() :].clone().view(torch.float32)
+        mean.add_(their_scales.repeat_interleave(sizes) * unpack_signs(bits, n))
+    return mean.div_(dist.get_world_size(state.group))
+
+
+def _localsgd(cfg: TrainConfig, group: dist.ProcessGroup | None, counter: CommCounter) -> tuple[Any, CommHook]:
+    # The default subgroup (one per node) raises on CPU; after warm-up no gradient is reduced at all.
+    subgroup = dist.new_subgroups(group_size=1)[0]
+    state = post_localSGD_hook.PostLocalSGDState(
+        process_group=group,
+        subgroup=subgroup,
+        start_localSGD_iter=cfg.compression_warmup_steps,
+        post_local_gradient_allreduce=False,
+    )
+
+    def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        if state.iter < state.start_localSGD_iter:
+            counter.add(bucket.buffer().numel() * bucket.buffer().element_size())
+        return post_localSGD_hook.post_localSGD_hook(state, bucket)
+
+    return state, hook
+
+
+def _bound(factory: Callable[[float], Callable[[_SparseState, dist.GradBucket], torch.Tensor]]) -> HookFactory:
+    def make(cfg: TrainConfig, group: dist.ProcessGroup | None, counter: CommCounter) -> tuple[Any, CommHook]:
+        return _sparse(factory(cfg.topk_fraction))(cfg, group, counter)
+
+    return make
+
+
 HOOKS: dict[str, HookFactory] = {
-    "none": _counting(default_hooks.allreduce_hook, None),
-    "fp16": _counting(default_hooks.fp16_compress_hook, torch.float16),
-    "bf16": _counting(default_hooks.bf16_compress_hook, torch.bfloat16),
+    "none": _stock(default_hooks.allreduce_hook, None),
+    "fp16": _stock(default_hooks.fp16_compress_hook, torch.float16),
+    "bf16": _stock(default_hooks.bf16_compress_hook, torch.bfloat16),
+    "powersgd": _powersgd,
+    "topk": _bound(_topk),
+    "sign": _sparse(_sign),
+    "localsgd": _localsgd,
 }
 
 
-def install(model: DistributedDataParallel, method: str, group: dist.ProcessGroup | None = None) -> CommCounter:
-    """Register the named compression hook on a DDP model and return the counter it fills."""
+class Compression:
+    """An installed method: its counter, and what it does after each optimizer step."""
+
+    timed = True
+    """Whether the counter's seconds are measured (False: `comm_s` is logged as null)."""
+
+    def __init__(self, counter: CommCounter, averager: PeriodicModelAverager | None = None) -> None:
+        self.counter = counter
+        self.averager = averager
+
+    def after_step(self, model: nn.Module) -> None:
+        """Local SGD: average the parameters across ranks every `period` steps after warm-up, counting the bytes."""
+        avg = self.averager
+        if avg is None:
+            return
+        due = avg.step >= avg.warmup_steps and (avg.step - avg.warmup_steps) % avg.period == 0
+        params = [p for p in model.parameters() if p.requires_grad]
+        start = time.perf_counter()
+        avg.average_parameters(params)
+        if due:
+            self.counter.add(sum(p.numel() * p.element_size() for p in params), time.perf_counter() - start)
+
+
+def install(model: DistributedDataParallel, cfg: TrainConfig, group: dist.ProcessGroup | None = None) -> Compression:
+    """Register the configured compression hook on a DDP model and return what counts and completes it."""
     counter = CommCounter()
-    state, hook = HOOKS[method](group, counter)
-    model.register_comm_hook(state, hook)
-    return counter
+    state, hook = HOOKS[cfg.compression](cfg, group, counter)
+    model.register_comm_hook(state, _timed(counter, hook))
+    averager = None
+    if cfg.compression == "localsgd":
+        averager = PeriodicModelAverager(cfg.localsgd_period, cfg.compression_warmup_steps, group)
+    return Compression(counter, averager)

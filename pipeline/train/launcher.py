@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import models
@@ -27,7 +28,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def command(run_dir: Path, nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str) -> list[str]:
+def command(
+    run_dir: Path, nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str, max_restarts: int = 0
+) -> list[str]:
     """The torchrun command line that starts this node's ranks of `pipeline.train.worker`."""
     return [
         sys.executable,
@@ -43,6 +46,8 @@ def command(run_dir: Path, nproc_per_node: int, nnodes: int, node_rank: int, rdz
         "c10d",
         "--rdzv-endpoint",
         rdzv_endpoint,
+        "--max-restarts",
+        str(max_restarts),
         "-m",
         "pipeline.train.worker",
         "--run-dir",
@@ -52,7 +57,7 @@ def command(run_dir: Path, nproc_per_node: int, nnodes: int, node_rank: int, rdz
 
 def environment(cfg: TrainConfig) -> dict[str, str]:
     """The ranks' environment: ours, plus the settings torchrun and the CPU ranks need."""
-    env = dict(os.environ)
+    env = dict(os.environ) | cfg.env
     # Restarted ranks otherwise dial a stale rank-0 address from the shared store (pytorch#135712, NOTES.md).
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env["OMP_NUM_THREADS"] = str(cfg.threads_per_rank)
@@ -98,12 +103,14 @@ def launch(
     node_rank: int = 0,
     rdzv_endpoint: str | None = None,
     nproc_per_node: int | None = None,
+    output: Callable[[str], None] | None = None,
 ) -> None:
     """Run torchrun for this node and wait for it, within `train.timeout_s`.
 
     Single node by default, with a rendezvous on a free loopback port. Several nodes: call this on each with the
     same `nnodes` and `rdzv_endpoint` (host:port of one of them) and its own `node_rank`. Output is inherited, so
-    rank 0's progress bar shows live. Raises PipelineError on a non-zero exit or a timeout; torchrun and all
+    rank 0's progress bar shows live, unless `output` takes it line by line (a Prefect task's logger).
+    Raises PipelineError on a non-zero exit or a timeout; torchrun and all
     its ranks are stopped on every way out, Ctrl-C included.
     """
     nproc = cfg.train.nproc_per_node if nproc_per_node is None else nproc_per_node
@@ -113,8 +120,11 @@ def launch(
     checkpoint.resumable(run_dir / layout.CHECKPOINTS, cfg)  # refuse a foreign checkpoint before touching anything
     _sync_snapshot(cfg, run_dir)
     endpoint = rdzv_endpoint or f"127.0.0.1:{free_port()}"
-    cmd = command(run_dir, nproc, nnodes, node_rank, endpoint)
-    job = procgroup.start(cmd, environment(cfg.train))
+    cmd = command(run_dir, nproc, nnodes, node_rank, endpoint, cfg.train.max_restarts)
+    env = environment(cfg.train)
+    if output is not None:
+        env["TQDM_MININTERVAL"] = "30"  # a log line per bar redraw: keep redraws rare when output is logged
+    job = procgroup.start(cmd, env, output)
     try:
         code = job.proc.wait(timeout=cfg.train.timeout_s)
     except subprocess.TimeoutExpired:

@@ -9,9 +9,16 @@ from types import TracebackType
 from typing import Any
 
 
-def _kept_lines(path: Path, start_epoch: int) -> list[str]:
-    """Lines of completed epochs before `start_epoch`; a crashed epoch's partial lines are dropped."""
-    if start_epoch == 0 or not path.exists():
+def _kept(record: dict[str, Any], start_epoch: int, start_step: int | None) -> bool:
+    if start_step is not None and "step" in record:
+        return bool(record["step"] <= start_step)
+    return bool(record.get("epoch", start_epoch) < start_epoch)
+
+
+def _kept_lines(path: Path, start_epoch: int, start_step: int | None) -> list[str]:
+    """Lines of completed epochs before `start_epoch` (and, given `start_step`, of steps up to it); what a crash
+    left after the checkpoint is dropped."""
+    if (start_epoch == 0 and not start_step) or not path.exists():
         return []
     kept = []
     for line in path.read_text().splitlines():
@@ -19,18 +26,18 @@ def _kept_lines(path: Path, start_epoch: int) -> list[str]:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut short by a crash
-        if isinstance(record, dict) and record.get("epoch", start_epoch) < start_epoch:
+        if isinstance(record, dict) and _kept(record, start_epoch, start_step):
             kept.append(line)
     return kept
 
 
 class MetricsLog:
-    """Append-only JSON-lines writer that, on resume, keeps exactly the lines of the epochs already done."""
+    """Append-only JSON-lines writer that, on resume, keeps exactly the lines of the epochs (and steps) done."""
 
-    def __init__(self, path: Path, start_epoch: int) -> None:
+    def __init__(self, path: Path, start_epoch: int, start_step: int | None = None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text("".join(f"{line}\n" for line in _kept_lines(path, start_epoch)))
+        tmp.write_text("".join(f"{line}\n" for line in _kept_lines(path, start_epoch, start_step)))
         os.replace(tmp, path)
         self._fh = path.open("a", buffering=1)
 

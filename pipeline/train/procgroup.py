@@ -16,6 +16,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,8 +35,10 @@ _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else
 class Job:
     """A started command: its process (leader of a new session) and the marker its descendants carry."""
 
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[str]
     token: str
+    pump: threading.Thread | None = None
+    """Thread forwarding the job's output lines, when an output callback was given."""
 
 
 def _terminate_with(parent: int) -> Callable[[], None] | None:
@@ -52,13 +55,36 @@ def _terminate_with(parent: int) -> Callable[[], None] | None:
     return hook
 
 
-def start(cmd: list[str], env: dict[str, str]) -> Job:
-    """Start `cmd` with `env` (plus the marker) as the leader of a new session; output is inherited."""
+def start(cmd: list[str], env: dict[str, str], output: Callable[[str], None] | None = None) -> Job:
+    """Start `cmd` with `env` (plus the marker) as the leader of a new session.
+
+    Output is inherited (a terminal sees progress bars live), or, with `output`, sent to it line by line: how a
+    Prefect task gets torchrun's output into the run's logs.
+    """
     token = secrets.token_hex(8)
+    pipe = subprocess.PIPE if output else None
     proc = subprocess.Popen(
-        cmd, env={**env, MARKER: token}, start_new_session=True, preexec_fn=_terminate_with(os.getpid())
+        cmd,
+        env={**env, MARKER: token},
+        start_new_session=True,
+        preexec_fn=_terminate_with(os.getpid()),
+        stdout=pipe,
+        stderr=subprocess.STDOUT if output else None,
+        text=True,
+        errors="replace",
     )
-    return Job(proc, token)
+    if output is None:
+        return Job(proc, token)
+    pump = threading.Thread(target=_forward, args=(proc, output), name="job-output", daemon=True)
+    pump.start()
+    return Job(proc, token, pump)
+
+
+def _forward(proc: subprocess.Popen[str], output: Callable[[str], None]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:  # text mode turns a progress bar's \r redraws into lines too
+        if line.strip():
+            output(line.rstrip())
 
 
 def members(token: str) -> list[int]:
@@ -98,3 +124,5 @@ def stop(job: Job, grace_s: float = KILL_GRACE_S) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     job.proc.wait()
+    if job.pump is not None:
+        job.pump.join(timeout=grace_s)

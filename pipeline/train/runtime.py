@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ class Runtime:
     backend: str
     device: torch.device
     precision: str
-    """Resolved precision: `fp32` or `bf16-mixed` (never `auto`)."""
+    """Resolved precision: `fp32`, `bf16-mixed` or `fp16-mixed` (never `auto`)."""
 
     @property
     def is_main(self) -> bool:
@@ -30,9 +31,11 @@ class Runtime:
         return self.rank == 0
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
-        """Context for forward passes: bf16 autocast for `bf16-mixed`, nothing for fp32."""
+        """Context for forward passes: bf16 or fp16 autocast for the mixed precisions, nothing for fp32."""
         if self.precision == "bf16-mixed":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        if self.precision == "fp16-mixed":
+            return torch.autocast(self.device.type, dtype=torch.float16)
         return contextlib.nullcontext()
 
 
@@ -62,5 +65,6 @@ def init(cfg: TrainConfig) -> Runtime:
     else:
         device = torch.device("cpu")
     torch.set_num_threads(cfg.threads_per_rank)
-    dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+    timeout = datetime.timedelta(seconds=cfg.pg_timeout_s)
+    dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     return Runtime(dist.get_rank(), dist.get_world_size(), backend, device, resolve_precision(cfg, device))

@@ -12,13 +12,15 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterator
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DataLoader, DistributedSampler, Sampler, Subset
 from tqdm import tqdm
 
 import models
@@ -26,7 +28,7 @@ from pipeline import data
 from pipeline.config import Config
 from pipeline.errors import PipelineError
 from pipeline.manifest import RunDir, write_json
-from pipeline.train import checkpoint, layout, runtime, strategy
+from pipeline.train import checkpoint, layout, runtime, stepping, strategy, thermal
 from pipeline.train.metrics import MetricsLog
 from pipeline.train.runtime import Runtime
 
@@ -49,6 +51,19 @@ def per_rank_batch(global_batch: int, world_size: int) -> int:
     return global_batch // world_size
 
 
+class ResumableSampler(Sampler[int]):
+    """A DistributedSampler that can start an epoch part-way, after the samples a checkpoint says were done."""
+
+    def __init__(self, inner: DistributedSampler) -> None:
+        self.inner, self.skip = inner, 0
+
+    def __iter__(self) -> Iterator[int]:
+        return islice(iter(self.inner), self.skip, None)
+
+    def __len__(self) -> int:
+        return len(self.inner) - self.skip
+
+
 class Trainer:
     """Model, optimizer and data of one rank, and the epoch loop around them."""
 
@@ -58,43 +73,101 @@ class Trainer:
         self.info = splits.info
         self.sampler = DistributedSampler(splits.train, rt.world_size, rt.rank, shuffle=True, seed=cfg.run.seed)
         batch = per_rank_batch(cfg.train.batch_size, rt.world_size)
-        self.train_loader = DataLoader(splits.train, batch_size=batch, sampler=self.sampler)
+        self.batch = batch
+        self.resumable = ResumableSampler(self.sampler)
+        self.train_loader = DataLoader(splits.train, batch_size=batch, sampler=self.resumable)
         # Disjoint strided shards: every validation image is counted exactly once across ranks.
         own_val = Subset(splits.val, range(rt.rank, len(splits.val), rt.world_size))
         self.val_loader = DataLoader(own_val, batch_size=VAL_BATCH)
+        self.input_shape = tuple(splits.train[0][0].shape)
         torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
         net = models.build_model(cfg.model.name, len(self.info.classes), self.info.channels, cfg.model.weights)
-        self.model, self.comm = strategy.wrap(net, cfg.train, rt)
+        stepping.assert_same_weights(net, rt.device)
+        self.strategy, reason = strategy.choose(net, torch.zeros(1, *self.input_shape), batch, cfg.train, rt)
+        if rt.is_main:
+            print(f"strategy: {self.strategy} ({reason})", file=sys.stderr)
+        self.model, self.comm = strategy.wrap(net, cfg.train, rt, self.strategy)
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-        self.total_steps = cfg.train.epochs * len(self.train_loader)
+        self.scaler = stepping.make_scaler(rt, self.model)
+        self.event: str | None = None
+        sensor = thermal.sensor(cfg.train.thermal_path)
+        limit, every = cfg.train.thermal_limit_c, cfg.train.thermal_every_steps
+        self.thermal = thermal.Controller(cfg.train.accumulation, limit, sensor, every, max_factor=batch)
+        self.steps_per_epoch = len(self.train_loader)
+        self.total_steps = cfg.train.epochs * self.steps_per_epoch
         self.ckpt_root = run_dir / layout.CHECKPOINTS
         self.samples = 0
         self.train_seconds = 0.0
 
-    def resume(self) -> tuple[int, int]:
-        """(first epoch to run, global step so far): from the `latest` checkpoint when there is one."""
+    def resume(self) -> tuple[int, int, int]:
+        """(epoch to run, global step so far, batches of that epoch already done): from `latest` if there is one."""
         found = checkpoint.resumable(self.ckpt_root, self.cfg)
         if found is None:
-            return 0, 0
+            return 0, 0, 0
         meta = checkpoint.load(found, self.model, self.optim)
+        if meta.get("scaler"):
+            self.scaler.load_state_dict(meta["scaler"])
+        epoch, batch = meta.get("next_epoch", meta["epoch"] + 1), meta.get("next_batch", 0)
         if self.rt.is_main:
-            print(f"resuming from {found.name} (epoch {meta['epoch'] + 1} done)", file=sys.stderr)
-        return meta["epoch"] + 1, meta["step"]
+            print(f"resuming from {found.name} (epoch {epoch + 1}, batch {batch})", file=sys.stderr)
+        return epoch, meta["step"], batch
+
+    def save(self, epoch: int, step: int, next_batch: int) -> None:
+        """Checkpoint on all ranks; `epoch` is the one in progress (done when `next_batch` is 0)."""
+        done = epoch if next_batch == 0 else epoch - 1
+        meta = {"epoch": done, "step": step, "world_size": self.rt.world_size, "next_epoch": done + 1}
+        meta |= {"next_batch": next_batch, "scaler": self.scaler.state_dict()}
+        meta["resume_key"] = checkpoint.resume_key(self.cfg)
+        strategy.sync_buffers(self.model)  # DCP saves one rank's copy of replicated buffers: make them all rank 0's
+        checkpoint.save(self.ckpt_root, self.model, self.optim, meta, self.cfg.train.keep_checkpoints)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, lr: float) -> float:
-        """One optimizer step on this rank's batch; returns its loss."""
+        """One optimizer step; on out-of-memory, retried with half the micro-batch while it can shrink."""
+        while True:
+            try:
+                return self._step(x, y, lr)
+            except torch.OutOfMemoryError:
+                why = self.thermal.out_of_memory()
+                if why is None:
+                    raise
+                self.note(why)
+                if self.rt.device.type == "cuda":
+                    torch.cuda.empty_cache()
+
+    def note(self, why: str) -> None:
+        """Report a micro-batch change on stderr; the metrics line of the step records it too."""
+        self.event = why
+        print(f"rank {self.rt.rank}: {why}", file=sys.stderr)
+
+    def _step(self, x: torch.Tensor, y: torch.Tensor, lr: float) -> float:
+        """One optimizer step on this rank's batch, in `accumulation` micro-batches; returns its mean loss."""
         for group in self.optim.param_groups:
             group["lr"] = lr
         self.optim.zero_grad(set_to_none=True)
-        with self.rt.autocast():
-            loss = F.cross_entropy(self.model(x.to(self.rt.device)), y.to(self.rt.device))
-        loss.backward()
-        self.optim.step()
-        return loss.item()
+        x, y = x.to(self.rt.device), y.to(self.rt.device)
+        acc = self.thermal.accumulation
+        parts = list(zip(x.chunk(acc), y.chunk(acc), strict=True))
+        total = 0.0
+        for i, (xs, ys) in enumerate(parts):
+            with stepping.no_sync(self.model, skip=i < len(parts) - 1):
+                with self.rt.autocast():
+                    # Weighted by its share, so the summed gradients equal those of the whole batch.
+                    loss = F.cross_entropy(self.model(xs), ys) * (len(ys) / len(y))
+                self.scaler.scale(loss).backward()
+            total += loss.item()
+        if self.cfg.train.grad_clip_norm is not None:
+            self.scaler.unscale_(self.optim)
+            # Under FSDP the gradients are DTensor shards: the norm is still the global one.
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip_norm)
+        self.scaler.step(self.optim)
+        self.scaler.update()
+        self.comm.after_step(self.model)
+        return total
 
-    def train_epoch(self, epoch: int, step: int, log: MetricsLog | None) -> int:
-        """Run one epoch; rank 0 logs every step. Returns the global step after it."""
+    def train_epoch(self, epoch: int, step: int, log: MetricsLog | None, skip: int = 0) -> int:
+        """Run one epoch from its batch `skip`; rank 0 logs every step. Returns the global step after it."""
         self.sampler.set_epoch(epoch)
+        self.resumable.skip = skip * self.batch
         self.model.train()
         bar = tqdm(
             self.train_loader,
@@ -105,10 +178,16 @@ class Trainer:
             dynamic_ncols=True,
         )
         last = time.perf_counter()
-        for x, y in bar:
+        every = self.cfg.train.checkpoint_every_steps
+        for index, (x, y) in enumerate(bar, start=skip + 1):
             lr = cosine_lr(self.cfg.train.lr, step, self.total_steps)
+            x = stepping.augment(x, self.cfg.train.augment_shift, self.cfg.run.seed, self.rt.rank, step)
+            self.event = None
+            why = self.thermal.check(step)
+            if why is not None:
+                self.note(why)
             loss = self.train_step(x, y, lr)
-            comm_bytes = self.comm.take()
+            comm_bytes, comm_s = self.comm.counter.take()
             # Wall time between steps, data loading included; every rank's batch has the same size.
             now, samples = time.perf_counter(), len(x) * self.rt.world_size
             seconds, last = now - last, now
@@ -116,8 +195,14 @@ class Trainer:
             step += 1
             if log is not None:
                 row = {"step": step, "epoch": epoch, "loss": loss, "lr": lr, "comm_bytes": comm_bytes}
+                row["comm_s"] = comm_s if self.comm.timed else None
+                acc = self.thermal.accumulation
+                row |= {"accumulation": acc, "micro_batch": math.ceil(len(x) / acc), "batch": samples}
+                row |= {"temperature_c": self.thermal.last_c, "batch_event": self.event}
                 log.write({**row, "samples_per_s": samples / seconds})
             bar.set_postfix(loss=f"{loss:.3f}", refresh=False)  # the bar redraws at its own pace
+            if every and step % every == 0 and index < self.steps_per_epoch:  # the epoch's end saves anyway
+                self.save(epoch, step, next_batch=index)
         return step
 
     @torch.no_grad()
@@ -133,10 +218,19 @@ class Trainer:
             totals[0] += (logits.argmax(dim=1) == y).sum()
             totals[1] += len(y)
             totals[2] += F.cross_entropy(logits, y, reduction="sum")
+        if strategy.is_sharded(net):
+            self._match_forwards(net, len(self.val_loader))
         dist.all_reduce(totals)
         net.train()
         correct, count, loss_sum = totals.tolist()
         return correct / max(count, 1), loss_sum / max(count, 1)
+
+    def _match_forwards(self, net: torch.nn.Module, done: int) -> None:
+        """FSDP forwards gather parameters collectively: run throwaway ones until every rank has run as many."""
+        most = torch.tensor([done], device=self.rt.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        for _ in range(int(most.item()) - done):
+            net(torch.zeros(1, *self.input_shape, device=self.rt.device))
 
     def end_epoch(self, epoch: int, step: int, log: MetricsLog | None) -> float:
         """Validate, log and checkpoint after `epoch`; returns the validation accuracy."""
@@ -144,22 +238,20 @@ class Trainer:
         if log is not None:
             log.write({"epoch": epoch, "val_accuracy": accuracy, "val_loss": val_loss})
             tqdm.write(f"epoch {epoch + 1}: val_accuracy {accuracy:.4f} val_loss {val_loss:.4f}", sys.stderr)
-        meta = {"epoch": epoch, "step": step, "world_size": self.rt.world_size}
-        meta["resume_key"] = checkpoint.resume_key(self.cfg)
-        checkpoint.save(self.ckpt_root, self.model, self.optim, meta, self.cfg.train.keep_checkpoints)
+        self.save(epoch, step, next_batch=0)
         return accuracy
 
     def fit(self) -> dict[str, Any]:
         """Train the remaining epochs, validating and checkpointing after each; return the summary fields."""
-        start_epoch, step = self.resume()
+        start_epoch, step, skip = self.resume()
         log = None
         if self.rt.is_main:
             write_json(self.run_dir / layout.DATASET, self.info.to_dict())
-            log = MetricsLog(self.run_dir / layout.METRICS, start_epoch)
+            log = MetricsLog(self.run_dir / layout.METRICS, start_epoch, step if skip else None)
         accuracy: float | None = None
         try:
             for epoch in range(start_epoch, self.cfg.train.epochs):
-                step = self.train_epoch(epoch, step, log)
+                step = self.train_epoch(epoch, step, log, skip if epoch == start_epoch else 0)
                 accuracy = self.end_epoch(epoch, step, log)
         finally:
             if log is not None:
@@ -175,6 +267,7 @@ class Trainer:
             "backend": self.rt.backend,
             "precision": self.rt.precision,
             "compression": self.cfg.train.compression,
+            "strategy": self.strategy,
             "samples_per_s": self.samples / self.train_seconds if self.train_seconds else 0.0,
         }
 

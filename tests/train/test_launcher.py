@@ -15,7 +15,7 @@ from pipeline.train import checkpoint, launcher, layout
 
 
 def test_command_runs_the_worker_module_under_torchrun() -> None:
-    cmd = launcher.command(Path("/runs/r1"), 4, 2, 1, "10.0.0.1:29500")
+    cmd = launcher.command(Path("/runs/r1"), 4, 2, 1, "10.0.0.1:29500", max_restarts=3)
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
     args = cmd[3:]
     pairs = dict(zip(args[::2], args[1::2], strict=False))
@@ -24,11 +24,14 @@ def test_command_runs_the_worker_module_under_torchrun() -> None:
     assert pairs["--node-rank"] == "1"
     assert pairs["--rdzv-backend"] == "c10d"
     assert pairs["--rdzv-endpoint"] == "10.0.0.1:29500"
+    assert pairs["--max-restarts"] == "3"
     assert cmd[-4:] == ["-m", "pipeline.train.worker", "--run-dir", "/runs/r1"]
 
 
 def test_environment_pins_threads_and_store_behaviour() -> None:
-    env = launcher.environment(validate({"train": {"threads_per_rank": 3}}, "test").train)
+    net = {"GLOO_SOCKET_IFNAME": "wlan0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    env = launcher.environment(validate({"train": {"threads_per_rank": 3, "env": net}}, "test").train)
+    assert env["GLOO_SOCKET_IFNAME"] == "wlan0" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert env["OMP_NUM_THREADS"] == "3"
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO_ROOT)

@@ -52,3 +52,13 @@ def test_stop_after_a_clean_exit_returns_at_once() -> None:
     procgroup.stop(job, grace_s=5)
     assert job.proc.returncode == 0
     assert time.monotonic() - started < 1
+
+
+def test_output_callback_receives_every_line_including_stderr() -> None:
+    lines: list[str] = []
+    job = procgroup.start(
+        ["sh", "-c", "echo one; echo two >&2; printf 'bar 1\\rbar 2\\n'"], dict(os.environ), lines.append
+    )
+    assert job.proc.wait(timeout=10) == 0
+    procgroup.stop(job)
+    assert lines == ["one", "two", "bar 1", "bar 2"]

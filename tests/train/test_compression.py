@@ -1,0 +1,150 @@
+"""Compression methods on two real gloo ranks: exact bytes on the wire per step, and accuracy against `none`."""
+
+from __future__ import annotations
+
+import json
+import math
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import models
+from pipeline.config import Config, TrainConfig, validate
+from pipeline.errors import PipelineError
+from pipeline.train import compression, layout, runtime
+from pipeline.train.worker import Trainer
+from tests.train.ranks import run_ranks
+
+METHODS = typing.get_args(TrainConfig.model_fields["compression"].annotation)
+WARMUP, RANK, FRACTION, PERIOD = 3, 2, 0.01, 4
+Metrics = dict[str, list[dict[str, Any]]]
+
+
+def method_config(method: str, epochs: int, batch_size: int, **extra: Any) -> Config:
+    """digits/small_cnn on 2 ranks with `method`; everything else (seed included) the same for every method."""
+    train = {
+        "epochs": epochs,
+        "batch_size": batch_size,
+        "compression": method,
+        "compression_warmup_steps": WARMUP,
+        "powersgd_rank": RANK,
+        "topk_fraction": FRACTION,
+        "localsgd_period": PERIOD,
+        **extra,
+    }
+    return validate({"train": train}, "test")
+
+
+def train_methods(root: Path, epochs: int, batch_size: int, extra: dict[str, Any]) -> None:
+    """On each rank: train every method from the same seed into root/<method>/ (rank 0 writes the metrics)."""
+    rt = runtime.init(method_config("none", epochs, batch_size).train)
+    try:
+        for method in METHODS:
+            Trainer(method_config(method, epochs, batch_size, **extra), root / method, rt).fit()
+    finally:
+        dist.destroy_process_group()
+
+
+def _train_all(root: Path, epochs: int, batch_size: int, **extra: Any) -> Metrics:
+    run_ranks(train_methods, root, epochs, batch_size, extra)
+    return {m: [json.loads(x) for x in (root / m / layout.METRICS).read_text().splitlines()] for m in METHODS}
+
+
+@pytest.fixture(scope="module")
+def brief(tmp_path_factory: pytest.TempPathFactory) -> Metrics:
+    """Metrics of one 12-step epoch per method (one spawn of two ranks for all of them)."""
+    return _train_all(tmp_path_factory.mktemp("brief"), 1, 128)
+
+
+@pytest.fixture(scope="module")
+def converged(tmp_path_factory: pytest.TempPathFactory) -> Metrics:
+    """Metrics of 8 epochs of 23 steps per method: one epoch of warm-up, top-k 10%, PowerSGD rank 4."""
+    extra = {"compression_warmup_steps": 23, "topk_fraction": 0.1, "powersgd_rank": 4}
+    return _train_all(tmp_path_factory.mktemp("converged"), 8, 64, **extra)
+
+
+def _params() -> list[torch.Tensor]:
+    return list(models.build_model("small_cnn", 10, 1).parameters())
+
+
+def powersgd_numel(params: list[torch.Tensor], rank: int) -> int:
+    """Elements PowerSGD sends: P (n x r) and Q (m x r) per matrix worth compressing, the rest as they are."""
+    total = 0
+    for p in params:
+        n, m = p.shape[0], p.numel() // p.shape[0]
+        r = min(n, m, rank)
+        total += (n + m) * r if p.dim() > 1 and n * m > 2 * (n + m) * r else p.numel()
+    return total
+
+
+def expected_bytes(method: str, step: int) -> int:
+    """Analytic payload of `step` (1-based) for small_cnn, whose gradients fit one DDP bucket."""
+    params = _params()
+    numel = sum(p.numel() for p in params)
+    full = numel * 4
+    if method in ("none", "fp16", "bf16"):
+        return full // 2 if method != "none" else full
+    if step <= WARMUP:
+        return full
+    if method == "powersgd":
+        return powersgd_numel(params, RANK) * 4
+    if method == "topk":
+        return math.ceil(numel * FRACTION) * 8
+    if method == "sign":
+        return compression.sign_size([p.numel() for p in params])
+    # localsgd: no gradient traffic; the parameters are averaged after step WARMUP + 1, then every PERIOD steps.
+    return full if (step - 1 - WARMUP) % PERIOD == 0 else 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_comm_bytes_match_the_analytic_size(brief: Metrics, method: str) -> None:
+    steps = [r for r in brief[method] if "step" in r]
+    assert len(steps) == 12
+    assert [r["comm_bytes"] for r in steps] == [expected_bytes(method, r["step"]) for r in steps]
+    assert all(r["comm_s"] >= 0 for r in steps)
+    assert sum(r["comm_s"] for r in steps) > 0
+
+
+def test_sign_sends_one_bit_per_entry_and_a_scale_per_tensor() -> None:
+    assert compression.sign_size([1000, 17]) == 128 + 8
+
+
+def test_compressed_methods_send_less_than_none() -> None:
+    full = expected_bytes("none", WARMUP + 1)
+    assert expected_bytes("powersgd", WARMUP + 1) < full / 5
+    assert expected_bytes("topk", WARMUP + 1) <= full * FRACTION * 2 + 8  # fp32 value + int32 index per entry
+    assert expected_bytes("sign", WARMUP + 1) < full / 30
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "none"])
+def test_accuracy_is_within_two_points_of_none(converged: Metrics, method: str) -> None:
+    def final(m: str) -> float:
+        return [r["val_accuracy"] for r in converged[m] if "val_accuracy" in r][-1]
+
+    assert final("none") >= 0.95
+    assert final(method) >= final("none") - 0.02
+
+
+def test_sign_packing_round_trips_and_is_one_bit_per_entry() -> None:
+    x = torch.randn(1001)
+    x[3] = 0.0
+    packed = compression.pack_signs(x)
+    assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(1001 / 8)
+    signs = compression.unpack_signs(packed, 1001)
+    assert torch.equal(signs, torch.where(x >= 0, 1.0, -1.0))
+
+
+def test_every_configurable_method_has_a_hook() -> None:
+    assert set(compression.HOOKS) == set(METHODS)
+
+
+def test_incompatible_settings_are_config_errors() -> None:
+    with pytest.raises(PipelineError, match=r"compression_warmup_steps must be >= 2 for powersgd"):
+        validate({"train": {"compression": "powersgd", "compression_warmup_steps": 1}}, "test")
+    with pytest.raises(PipelineError, match=r"'topk' works with DDP only"):
+        validate({"train": {"compression": "topk", "strategy": "fsdp"}}, "test")
