@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -11,6 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
+from safetensors.torch import load_file
 from torch import nn
 
 from models import build_model
@@ -193,3 +197,148 @@ def test_load_model_refuses_weights_that_do_not_fit_model_json(cfg: Config, run:
     write_json(meta_path, {**meta, "num_classes": 3, "classes": ["a", "b", "c"]})
     with pytest.raises(PipelineError, match=r"model\.safetensors: does not fit small_cnn"):
         consolidate.load_model(run.path / "model")
+
+
+_SHARDED_WRITER = """
+import os, sys, warnings
+from pathlib import Path
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from models import build_model
+
+
+def rank(r, world, strategy, step_dir, init):
+    warnings.simplefilter("ignore")
+    dist.init_process_group("gloo", init_method=init, rank=r, world_size=world)
+    torch.manual_seed(0)
+    model = build_model("small_cnn", 10, 1)
+    if strategy == "fsdp":
+        for block in (model[0], model[2]):
+            fully_shard(block, mesh=None)
+        model = fully_shard(model)
+    else:
+        model = DistributedDataParallel(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # The same data on every rank: BatchNorm buffers are per-rank replicas, and DCP may keep any rank's copy.
+    torch.manual_seed(1)
+    for _ in range(2):
+        optim.zero_grad()
+        model(torch.randn(8, 1, 16, 16)).sum().backward()
+        optim.step()
+    model_sd, optim_sd = get_state_dict(model, optim)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=step_dir)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if r == 0:
+        save_file({k: v.contiguous() for k, v in full.items()}, str(Path(step_dir).parent / "reference.safetensors"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    world, strategy, step_dir, rendezvous = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    init = "file://" + rendezvous
+    mp.spawn(rank, args=(world, strategy, step_dir, init), nprocs=world)
+"""
+
+
+@pytest.mark.slow  # ~35 s per case on 2 busy cores: spawning ranks dominates
+@pytest.mark.parametrize(("strategy", "world"), [("fsdp", 2), ("ddp", 2), ("fsdp", 3)])
+def test_sharded_checkpoint_from_any_world_size_merges_into_one_model(
+    cfg: Config, run: RunDir, tmp_path: Path, strategy: str, world: int
+) -> None:
+    root = run.path / "train" / "checkpoints"
+    step_dir = root / "step-7"
+    script = tmp_path / "write_sharded.py"
+    script.write_text(_SHARDED_WRITER)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run(
+        [sys.executable, str(script), str(world), strategy, str(step_dir), str(tmp_path / "rendezvous")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(list(step_dir.glob("*.distcp"))) == world  # one shard per rank
+    os.symlink(step_dir.name, root / "latest")
+    result = consolidate.run(cfg, run, log=lambda _: None)
+    assert result.metrics["checkpoint"] == "step-7"
+    merged = load_file(str(run.path / "model" / "model.safetensors"))
+    reference = load_file(str(root / "reference.safetensors"))
+    assert set(merged) == set(reference)  # every tensor, no optimizer state
+    assert all(torch.equal(merged[k], reference[k]) for k in reference)
+
+
+_PEAK_MEMORY = """
+import json, os, sys, warnings
+from pathlib import Path
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from models import MODELS
+from models.registry import ModelSpec
+from pipeline import consolidate
+from pipeline.config import Config
+from pipeline.manifest import RunDir, create_run_dir, write_json
+
+
+def wide_mlp(num_classes, in_channels):
+    hidden = [nn.Linear(2048, 2048) for _ in range(6)]
+    return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * 256, 2048), *hidden, nn.Linear(2048, num_classes))
+
+
+def status(field):
+    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+MODELS["wide_mlp"] = ModelSpec(wide_mlp, channels=None, min_size=8)
+mode, root = sys.argv[1], Path(sys.argv[2])
+cfg = Config.model_validate({"model": {"name": "wide_mlp"}})
+if mode == "write":
+    create_run_dir(cfg, root)
+    model = wide_mlp(10, 1)
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 1, 16, 16)).sum().backward()
+    optim.step()
+    step = root / "train" / "checkpoints" / "step-1"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": model.state_dict(), "optim": optim.state_dict()}, checkpoint_id=step)
+    os.symlink("step-1", step.parent / "latest")
+    info = {"classes": [str(i) for i in range(10)], "channels": 1, "image_size": 16, "mean": [0.0], "std": [1.0]}
+    write_json(root / "train" / "dataset.json", info)
+    write_json(root / "train" / "summary.json", {"val_accuracy": 0.5})
+else:
+    Path("/proc/self/clear_refs").write_text("5")  # resets the peak (VmHWM) to the current RSS
+    before = status("VmRSS")
+    consolidate.run(cfg, RunDir(root), log=lambda _: None)
+    weights = (root / "model" / "model.safetensors").stat().st_size
+    print(json.dumps({"before": before, "peak": status("VmHWM"), "weights": weights}))
+"""
+
+
+@pytest.mark.slow
+def test_peak_memory_stays_within_twice_the_weights(tmp_path: Path) -> None:
+    """A 103 MB model (checkpoint with AdamW state: ~310 MB) consolidates with at most 2x its size of extra memory.
+
+    What remains above 1x is DCP reading one tensor at a time (its bytes and the tensor made from them).
+    """
+    script = tmp_path / "peak.py"
+    script.write_text(_PEAK_MEMORY)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    run_dir = tmp_path / "run"
+    for mode in ("write", "measure"):  # separate processes: the writer's freed memory must not hide the peak
+        cmd = [sys.executable, str(script), mode, str(run_dir)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found["weights"] >= 100e6
+    extra = found["peak"] - found["before"]
+    assert extra <= 2.0 * found["weights"], f"peak {extra / 2**20:.0f} MB over {found['weights'] / 2**20:.0f} MB"

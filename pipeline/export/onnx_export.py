@@ -13,23 +13,26 @@ from pathlib import Path
 from typing import Any
 
 import onnx
+import onnxscript.optimizer
 import torch
 from google.protobuf.message import DecodeError
 from torch import nn
 
 from pipeline.config import ExportConfig
 from pipeline.errors import PipelineError
+from pipeline.export import opset
 
 INPUT_NAME = "input"
 OUTPUT_NAME = "logits"
 EXPORT_KEY = "export"
-"""metadata_props key holding {opset, batch: {min, opt, max}, input, output}; the other keys mirror model.json."""
+"""metadata_props key holding {opset, batch: {min, opt, max}, input, output, precision}; the other keys mirror
+model.json."""
 _CHATTY_LOGGERS = ("torch.onnx", "torch.export", "torch._dynamo", "torch.fx", "onnxscript")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def quiet() -> Iterator[None]:
     """Mute the exporter: its progress lines, opset notices and graph dumps on failure are noise on screen."""
     levels = {name: logging.getLogger(name).level for name in _CHATTY_LOGGERS}
     sink = io.StringIO()
@@ -67,46 +70,80 @@ def written_opset(proto: onnx.ModelProto) -> int:
     return next(op.version for op in proto.opset_import if op.domain in ("", "ai.onnx"))
 
 
+def _torch_export(model: nn.Module, example: torch.Tensor, cfg: ExportConfig, path: Path, target: int) -> None:
+    """Write `model` to `path`; the dynamo exporter writes at least opset 18, the legacy one `target` itself."""
+    dynamo = cfg.exporter == "dynamo"
+    if cfg.max_batch == 1:  # torch.export cannot make an axis dynamic when min == max: a static batch
+        shapes: dict[str, Any] = {}
+    elif dynamo:
+        shapes = {"dynamic_shapes": ({0: torch.export.Dim("batch", min=1, max=cfg.max_batch)},)}
+    else:
+        shapes = {"dynamic_axes": {INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}}}
+    with quiet():
+        torch.onnx.export(
+            model,
+            (example,),
+            str(path),
+            dynamo=dynamo,
+            external_data=False,  # one self-contained file: what TensorRT and the device get
+            opset_version=max(target, 18) if dynamo else target,
+            input_names=[INPUT_NAME],
+            output_names=[OUTPUT_NAME],
+            verbose=False,
+            **shapes,
+        )
+
+
+def _simplify(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, int]]:
+    """onnxscript's optimizer (constant folding, dead-code and identity removal); node counts before and after."""
+    with quiet():
+        simplified = onnxscript.optimizer.optimize(proto)
+    return simplified, {"nodes_before": len(proto.graph.node), "nodes_after": len(simplified.graph.node)}
+
+
 def export_onnx(model: nn.Module, meta: dict[str, Any], cfg: ExportConfig, path: Path) -> dict[str, Any]:
     """Export `model` to `path` with batch 1..max_batch, check the graph, embed `meta`; return the export facts.
 
-    The facts ({opset, batch: {min, opt, max}, input, output}) are also stored under the `export` metadata key, so
-    the build stage can size TensorRT profiles from the file alone.
+    The opset is the lower of `export.opset` and what TensorRT `export.min_tensorrt` parses; a file written at a
+    newer opset is converted down. The facts ({opset, batch: {min, opt, max}, input, output, precision}) are stored
+    under the `export` metadata key, so the build stage can size TensorRT profiles from the file alone; the
+    returned dict adds how the opset was chosen (`opset_choice`) and, with `export.simplify`, the node counts.
     """
+    arch = meta["architecture"]
+    target, why = opset.choose(cfg.min_tensorrt, cfg.opset)
     example = torch.zeros(min(2, cfg.max_batch), *input_shape(meta))
-    # torch.export cannot make an axis dynamic when min == max: a max_batch of 1 is a static batch.
-    dynamic = ({0: torch.export.Dim("batch", min=1, max=cfg.max_batch)},) if cfg.max_batch > 1 else None
     try:
-        with _quiet():
-            torch.onnx.export(
-                model,
-                (example,),
-                str(path),
-                dynamo=True,
-                external_data=False,  # one self-contained file: what TensorRT and the device get
-                opset_version=cfg.opset,
-                dynamic_shapes=dynamic,
-                input_names=[INPUT_NAME],
-                output_names=[OUTPUT_NAME],
-                verbose=False,
-            )
+        _torch_export(model, example, cfg, path, target)
     except Exception as err:  # the exporter raises many unrelated types; each means "this model cannot be exported"
-        raise PipelineError(f"export: {meta['architecture']} could not be exported: {_reason(err)}") from err
+        raise PipelineError(f"export: {arch} could not be exported: {_reason(err)}") from err
     proto = onnx.load(str(path))
+    written = written_opset(proto)
+    choice = {"opset": target, "exported": written, "exporter": cfg.exporter, "min_tensorrt": cfg.min_tensorrt}
+    if written > target:
+        proto = opset.lower(proto, target, f"{arch} (exported at opset {written})")
+        why += f"; the exporter wrote {written}, converted down"
+    elif written < target:
+        target, why = written, why + f"; the exporter wrote {written}"
+    extra: dict[str, Any] = {"opset_choice": {**choice, "opset": target, "reason": why}}
+    if cfg.simplify:
+        proto, extra["simplified"] = _simplify(proto)
     facts = {
-        "opset": written_opset(proto),
+        "opset": target,
         "batch": {"min": 1, "opt": cfg.opt_batch, "max": cfg.max_batch},
         "input": INPUT_NAME,
         "output": OUTPUT_NAME,
+        "precision": "fp32",
     }
+    del proto.metadata_props[:]
     props = {key: json.dumps(value) for key, value in meta.items()}
     onnx.helper.set_model_props(proto, {**props, EXPORT_KEY: json.dumps(facts)})
     try:
         onnx.checker.check_model(proto, full_check=True)
     except onnx.checker.ValidationError as err:
-        raise PipelineError(f"export: {meta['architecture']} exported to an invalid graph: {_first_line(err)}") from err
+        reason = _first_line(err)
+        raise PipelineError(f"export: {arch} exported to an invalid graph at opset {target}: {reason}") from err
     onnx.save(proto, str(path))
-    return facts
+    return {**facts, **extra}
 
 
 def read_metadata(path: Path) -> dict[str, Any]:

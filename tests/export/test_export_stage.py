@@ -22,28 +22,70 @@ Exported = tuple[RunDir, StageResult, list[str]]
 def test_export_passes_the_parity_gate_with_sensible_numbers(exported: Exported) -> None:
     run, result, _ = exported
     assert result.status == "done"
-    assert result.outputs == {"onnx": "onnx/model.onnx", "parity": "onnx/parity.json", "sample": "onnx/sample.npz"}
+    assert result.outputs == {
+        "onnx": "onnx/model.onnx",
+        "parity": "onnx/parity.json",
+        "sample": "onnx/sample.npz",
+        "onnx_fp16": "onnx/model.fp16.onnx",
+        "onnx_int8": "onnx/model.int8.onnx",
+    }
     assert all((run.path / rel).is_file() for rel in result.outputs.values())
     parity = read_json(run.path / "onnx" / "parity.json")
-    assert parity["passed"] is True
+    assert parity["passed"] is True and parity["all_passed"] is True
     assert parity["samples"] == 100
     assert parity["atol"] == 1e-4
     assert 0.0 <= parity["max_abs_diff"] <= parity["atol"]
     assert parity["top1_agreement"] == 1.0
     assert parity["onnx_accuracy"] == parity["torch_accuracy"] > 0.3  # a (briefly) trained model, not chance (0.1)
+    variants = parity["variants"]
     assert result.metrics == {
         "max_abs_diff": parity["max_abs_diff"],
         "top1_agreement": 1.0,
         "onnx_accuracy": parity["onnx_accuracy"],
-        "opset": 18,
+        "fp32_accuracy": variants["fp32"]["accuracy"],
+        "fp16_accuracy": variants["fp16"]["accuracy"],
+        "int8_accuracy": variants["int8"]["accuracy"],
+        "opset": 17,
     }
 
 
-def test_requested_opset_below_18_is_recorded_as_written(exported: Exported) -> None:
+def test_every_variant_is_gated_on_the_whole_validation_split(exported: Exported) -> None:
+    run, _, _ = exported
+    parity = read_json(run.path / "onnx" / "parity.json")
+    assert parity["validation_samples"] == 360  # 20% of the 1797 digits, not just the parity images
+    assert parity["max_accuracy_drop"] == 0.01
+    variants = parity["variants"]
+    assert sorted(variants) == ["fp16", "fp32", "int8"]
+    fp32 = variants["fp32"]["accuracy"]
+    assert fp32 > 0.3
+    assert variants["fp32"] == {
+        "file": "onnx/model.onnx",
+        "accuracy": fp32,
+        "drop": 0.0,
+        "max_abs_diff": parity["max_abs_diff"],
+        "passed": True,
+    }
+    for name in ("fp16", "int8"):
+        entry = variants[name]
+        assert entry["file"] == f"onnx/model.{name}.onnx" and entry["passed"] is True
+        assert entry["drop"] == pytest.approx(fp32 - entry["accuracy"]) and entry["drop"] <= 0.01
+    # fp16 rounds logits a little; int8 visibly, but both keep the answers.
+    assert 0.0 < variants["fp16"]["max_abs_diff"] < 1e-2 < variants["int8"]["max_abs_diff"]
+
+
+def test_opset_is_lowered_to_what_the_oldest_tensorrt_parses(exported: Exported) -> None:
     run, result, lines = exported
-    assert result.metrics["opset"] == 18
-    assert onnx_export.read_metadata(run.path / "onnx" / "model.onnx")["export"]["opset"] == 18
-    assert any("export.opset 17 raised to 18" in line for line in lines)
+    assert result.metrics["opset"] == 17
+    assert onnx_export.read_metadata(run.path / "onnx" / "model.onnx")["export"]["opset"] == 17
+    choice = read_json(run.path / "onnx" / "parity.json")["opset"]
+    assert choice == {
+        "opset": 17,
+        "exported": 18,
+        "exporter": "dynamo",
+        "min_tensorrt": "8.5",
+        "reason": "TensorRT 8.5 (export.min_tensorrt) parses up to opset 17; the exporter wrote 18, converted down",
+    }
+    assert any("opset 17: TensorRT 8.5" in line for line in lines)
 
 
 def test_unchanged_inputs_are_cached(exported: Exported, make_config: Callable[..., Config]) -> None:
@@ -72,12 +114,13 @@ def test_failed_parity_gate_keeps_evidence_but_writes_no_model(
     cfg = make_config()
     run = make_run(cfg)
     _perturbed_export(monkeypatch)
-    with pytest.raises(PipelineError, match=r"parity\.json: parity gate failed: max_abs_diff 1 \(atol 0\.0001\)"):
+    with pytest.raises(PipelineError, match=r"parity\.json: fp32 parity gate failed: max_abs_diff 1 \(atol 0\.0001\)"):
         export_stage.run(cfg, run, log=lambda _: None)
     parity = read_json(run.path / "onnx" / "parity.json")
-    assert parity["passed"] is False
+    assert parity["passed"] is False and parity["all_passed"] is False
     assert parity["max_abs_diff"] == pytest.approx(1.0, abs=1e-4)
-    assert sorted(p.name for p in (run.path / "onnx").iterdir()) == ["parity.json"]  # no model, no temp file
+    assert parity["variants"]["fp32"]["passed"] is False
+    assert sorted(p.name for p in (run.path / "onnx").iterdir()) == ["parity.json"]  # no model, no staging dir
     assert "export" not in run.manifest()["stages"]
 
 
@@ -86,7 +129,8 @@ def test_failed_parity_gate_leaves_the_earlier_model_in_place(
 ) -> None:
     cfg = make_config()
     run = make_run(cfg, with_onnx=True)
-    before = {name: (run.path / "onnx" / name).read_bytes() for name in ("model.onnx", "sample.npz")}
+    names = ("model.onnx", "model.fp16.onnx", "model.int8.onnx", "sample.npz")
+    before = {name: (run.path / "onnx" / name).read_bytes() for name in names}
     _perturbed_export(monkeypatch)
     with pytest.raises(PipelineError, match="parity gate failed"):
         export_stage.run(cfg, run, log=lambda _: None)
@@ -119,7 +163,7 @@ def test_a_model_the_exporter_cannot_handle_is_a_one_line_error(
         export_stage.run(cfg, run, log=lambda _: None)
     assert "\n" not in str(err.value)
     assert not (run.path / "onnx" / "model.onnx").exists()
-    assert not [p for p in (run.path / "onnx").iterdir() if p.name.endswith(".tmp")]
+    assert [p.name for p in (run.path / "onnx").iterdir()] == []  # the staging directory is gone too
 
 
 def test_sample_holds_a_real_validation_image_and_its_onnx_logits(exported: Exported) -> None:

@@ -38,10 +38,11 @@ def test_metadata_carries_model_json_and_the_batch_profile(exported: Exported) -
     model_json = read_json(run.path / "model" / "model.json")
     assert {k: meta[k] for k in model_json} == model_json
     assert meta["export"] == {
-        "opset": 18,
+        "opset": 17,
         "batch": {"min": 1, "opt": 4, "max": 16},
         "input": "input",
         "output": "logits",
+        "precision": "fp32",
     }
 
 
