@@ -88,26 +88,30 @@ def verify_dir(release: Path) -> str | None:
     return None
 
 
-def make_plan(run: RunDir, engine: tuple[Path, Path] | None) -> ReleasePlan:
-    """Gather the run's release files (plus `engine` = (model.plan, build.json) when given); write deploy/plan.json.
+def make_plan(
+    run: RunDir, engine: tuple[Path, Path] | None, extra: dict[str, Path] | None = None, out: Path | None = None
+) -> ReleasePlan:
+    """Gather the run's release files (plus `engine` = (model.plan, build.json) when given, plus `extra` files such
+    as the device-side activation script); write plan.json into `out` (default `<run>/deploy/`).
 
     labels.txt and SHA256SUMS are generated into `<run>/deploy/` so every file of the release exists on disk and
-    any transport (a copy here, SFTP later) only moves files.
+    any transport (a copy here, SFTP) only moves files. Local and SSH deploys share this one plan.
     """
     onnx, meta, sample = run.path / "onnx/model.onnx", run.path / "model/model.json", run.path / "onnx/sample.npz"
     _check_sample(sample)
-    out = run.path / "deploy"
+    out = out or run.path / "deploy"
     out.mkdir(parents=True, exist_ok=True)
     _write_text(out / "labels.txt", "".join(f"{c}\n" for c in model_classes(meta)))
     files = {"model.onnx": onnx, "model.json": meta, "sample.npz": sample, "labels.txt": out / "labels.txt"}
     if engine is not None:
         files.update({"model.plan": engine[0], "engine.json": engine[1]})
+    files.update({safe_name(name, "release file"): path for name, path in (extra or {}).items()})
     sha256 = {name: sha256_file(path) for name, path in files.items()}
     _write_text(out / SUMS, sums_text(sha256))
     files[SUMS] = out / SUMS
     sha256[SUMS] = sha256_file(out / SUMS)
     plan = ReleasePlan(release_id(run.path.name, onnx), files, sha256)
-    write_json(out / "plan.json", _plan_json(plan))
+    write_json(out / "plan.json", plan_json(plan))
     return plan
 
 
@@ -132,7 +136,8 @@ def _check_sample(sample: Path) -> None:
         raise PipelineError(f"{sample}: missing array(s) {', '.join(missing)}")
 
 
-def _plan_json(plan: ReleasePlan) -> dict[str, Any]:
+def plan_json(plan: ReleasePlan) -> dict[str, Any]:
+    """What plan.json records: the release id, its size, and per file its sha256, size and source."""
     files = {
         name: {"sha256": plan.sha256[name], "bytes": path.stat().st_size, "source": str(path)}
         for name, path in plan.files.items()

@@ -1,10 +1,12 @@
 """The deploy stage: release the run's model to every configured target and report per target.
 
-Not cacheable: the truth is on the targets (someone may have rolled back or wiped one since the last run).
+Targets are local directories, or, when `deploy.inventory` names an inventory, SSH devices rolled out to in
+waves. Not cacheable: the truth is on the targets (someone may have rolled back or wiped one since the last run).
 """
 
 from __future__ import annotations
 
+import asyncio
 import io
 import shutil
 from collections.abc import Callable
@@ -16,12 +18,16 @@ from rich.console import Console
 from rich.table import Column, Table
 
 from pipeline.config import Config
+from pipeline.deploy import remote
+from pipeline.deploy.inventory import load_inventory
 from pipeline.deploy.local import ACTIVE, deploy_target
 from pipeline.deploy.release import make_plan
+from pipeline.deploy.rollout import failed, rollout, rollout_table, waves
 from pipeline.errors import PipelineError
 from pipeline.manifest import RunDir, StageResult, read_json, run_stage, write_json
 
 INPUTS = ["onnx/model.onnx", "onnx/sample.npz", "model/model.json"]
+ACTIVATE_SCRIPT = Path(__file__).with_name("activate.sh")
 RESULTS = "deploy/results.json"
 PLAN = "deploy/plan.json"
 
@@ -33,6 +39,14 @@ def run(cfg: Config, run: RunDir, log: Callable[[str], None] = print) -> StageRe
 
 def local_engine(run: RunDir) -> tuple[Path, Path] | None:
     """(model.plan, build.json) of the engine the build stage made for this host, None when it made none."""
+    engine = recorded_engine(run)
+    if engine is None or not str(read_json(engine[1]).get("class", "")).startswith("local"):
+        return None
+    return engine
+
+
+def recorded_engine(run: RunDir) -> tuple[Path, Path] | None:
+    """(model.plan, build.json) of the engine the build stage recorded (for any device class), None when none."""
     entry = run.manifest()["stages"].get("build")
     if not entry or entry.get("status") not in ("done", "cached"):
         return None
@@ -42,12 +56,39 @@ def local_engine(run: RunDir) -> tuple[Path, Path] | None:
     plan, info = run.path / outputs["engine"], run.path / outputs["build_info"]
     if not plan.is_file():
         raise PipelineError(f"{plan}: the build stage recorded this engine but it is missing (run `pipeline build`)")
-    if not str(read_json(info).get("class", "")).startswith("local"):
-        return None
     return plan, info
 
 
+def recorded_engines(run: RunDir) -> dict[str, tuple[Path, Path]]:
+    """Device class → (model.plan, build.json) of every engine the build stage recorded (`engine:<class>` outputs,
+    or its single `engine` with the class from build.json)."""
+    entry = run.manifest()["stages"].get("build")
+    if not entry or entry.get("status") not in ("done", "cached"):
+        return {}
+    outputs = entry.get("outputs", {})
+    engines = {
+        key.removeprefix("engine:"): (run.path / path, run.path / outputs.get(f"build_info:{key[7:]}", ""))
+        for key, path in outputs.items()
+        if key.startswith("engine:")
+    }
+    if not engines and (single := recorded_engine(run)) is not None:
+        engines[str(read_json(single[1]).get("class", "unknown"))] = single
+    for plan, info in engines.values():
+        if not plan.is_file() or not info.is_file():
+            raise PipelineError(
+                f"{plan}: the build stage recorded this engine but it is missing (run `pipeline build`)"
+            )
+    return engines
+
+
+def fleet_releases(run: RunDir) -> remote.Releases:
+    """The release for SSH devices: the run's files, the engine for each class, and the activation script."""
+    return remote.Releases(run, recorded_engines(run), {remote.ACTIVATE: ACTIVATE_SCRIPT})
+
+
 def _body(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageResult:
+    if cfg.deploy.inventory is not None:
+        return _fleet_body(cfg, run, log)
     plan = make_plan(run, local_engine(run))
     engine_note = "with engine" if "model.plan" in plan.files else "ONNX only"
     log(f"[deploy] release {plan.release_id} ({plan.bytes / 1e6:.2f} MB, {engine_note})")
@@ -69,6 +110,30 @@ def _body(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageResult:
             "bytes_copied": sum(r["bytes_copied"] for r in results),
         },
     )
+
+
+def _fleet_body(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageResult:
+    assert cfg.deploy.inventory is not None
+    inventory = load_inventory(cfg.deploy.inventory)
+    releases = fleet_releases(run)
+    classes = [k for k, r in releases.variants.items() if r.engine_class]
+    engine_note = f"engines for {', '.join(classes)}" if classes else "ONNX only"
+    size = f"{releases.bytes / 1e6:.2f} MB"
+    log(f"[deploy] release {releases.id} ({size}, {engine_note}) to {len(inventory.targets)} device(s)")
+    plan = {**releases.summary(), "waves": [[t.name for t in wave] for wave in waves(inventory)]}
+    write_json(run.path / PLAN, plan)
+    rows = asyncio.run(rollout(inventory, releases, log))
+    write_json(run.path / RESULTS, {"release": releases.id, "inventory": str(inventory.path), "targets": rows})
+    log(rollout_table(rows))
+    bad = [r for r in rows if r["status"] != ACTIVE]
+    if bad:
+        detail = "; ".join(f"{r['target']} ({r['status']}: {r['reason']})" for r in bad if failed(r))
+        skipped = sum(1 for r in bad if not failed(r))
+        more = f"; {skipped} skipped" if skipped else ""
+        raise PipelineError(f"deploy: {len(bad)} of {len(rows)} targets not active: {detail or 'none failed'}{more}")
+    metrics = {"release": releases.id, "active": len(rows), "targets": len(rows)}
+    metrics["bytes_sent"] = sum(r["bytes_sent"] for r in rows)
+    return StageResult("deploy", "done", outputs={"results": RESULTS, "plan": PLAN}, metrics=metrics)
 
 
 def results_table(results: list[dict[str, Any]]) -> str:

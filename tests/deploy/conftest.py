@@ -11,38 +11,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-import torch
 from onnx import numpy_helper
 
-from models import build_model
 from pipeline.config import Config, DeployConfig, LocalTarget
 from pipeline.manifest import RunDir, create_run_dir
 
 CLASSES = [f"digit-{i}" for i in range(10)]
-
-
-def export_small_cnn(path: Path) -> Path:
-    """small_cnn (10 classes, 1x16x16) exported as the export stage does it: dynamic batch, input/logits, one file.
-
-    Shared through the session's base temp dir, so build and deploy tests pay for one export (~3 s).
-    """
-    if path.exists():
-        return path
-    torch.manual_seed(0)
-    model = build_model("small_cnn", 10, 1).eval()
-    batch = torch.export.Dim("batch", min=1, max=32)
-    raw = path.with_name(f"raw-{path.name}")
-    torch.onnx.export(
-        model,
-        (torch.randn(2, 1, 16, 16),),
-        str(raw),
-        dynamo=True,
-        dynamic_shapes=({0: batch},),
-        input_names=["input"],
-        output_names=["logits"],
-    )
-    onnx.save(onnx.load(str(raw)), str(path))  # the exporter may put weights in raw.onnx.data: embed them
-    return path
 
 
 def variant(src: Path, dest: Path, scale: float) -> Path:
@@ -56,10 +30,9 @@ def variant(src: Path, dest: Path, scale: float) -> Path:
 
 
 @pytest.fixture(scope="session")
-def onnx_models(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+def onnx_models(tmp_path_factory: pytest.TempPathFactory, small_onnx: Path) -> list[Path]:
     """Two different real ONNX models (exported once per session)."""
-    first = export_small_cnn(tmp_path_factory.getbasetemp() / "small_cnn.onnx")
-    return [first, variant(first, tmp_path_factory.mktemp("onnx") / "variant.onnx", 0.25)]
+    return [small_onnx, variant(small_onnx, tmp_path_factory.mktemp("onnx") / "variant.onnx", 0.25)]
 
 
 def ort_logits(model: Path, x: np.ndarray) -> np.ndarray:

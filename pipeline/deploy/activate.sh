@@ -1,0 +1,113 @@
+#!/bin/sh
+# Device side of a deploy, shipped inside every release (POSIX sh: runs on dash and BusyBox).
+#
+#   sh releases/<id>/activate.sh ROOT RELEASE KEEP SERVICE HEALTH_COMMAND
+#
+# Under a lock on ROOT/.lock: preflight the release (load the engine with trtexec, else HEALTH_COMMAND, else run
+# the model with python3 + onnxruntime, else check the files), switch `current` to it in one rename (the old
+# current becomes `previous`), restart SERVICE, post-check (unit active, HEALTH_COMMAND); on any failure switch
+# both links back and restart SERVICE again. Then keep the KEEP newest releases, never current or previous.
+# The controller reads the `ACTIVATE key=value` lines; the exit status is 0 only for status=ACTIVE.
+set -u
+ROOT=$1 REL=$2 KEEP=$3 SERVICE=$4 HEALTH=$5
+TRTEXEC=${TRTEXEC:-/usr/src/tensorrt/bin/trtexec}
+
+report() {  # status reason
+    echo "ACTIVATE status=$1"
+    echo "ACTIVATE current=$(readlink current 2>/dev/null | sed 's|^releases/||')"
+    echo "ACTIVATE previous=$(readlink previous 2>/dev/null | sed 's|^releases/||')"
+    echo "ACTIVATE reason=$2"
+    [ "$1" = ACTIVE ]
+    exit $?
+}
+
+point() {  # link target-or-empty: one rename, so readers see the old link or the new one, never none
+    if [ -z "$2" ]; then rm -f "$1"; return 0; fi
+    rm -f ".$1.new" && ln -s "$2" ".$1.new" && mv -T ".$1.new" "$1"
+}
+
+cd "$ROOT" || { echo "ACTIVATE status=FAILED"; echo "ACTIVATE reason=no deploy root $ROOT"; exit 1; }
+[ -d "releases/$REL" ] || report FAILED "releases/$REL is missing"
+exec 9>.lock
+if command -v flock >/dev/null 2>&1; then
+    flock -w 60 9 || report FAILED "another deploy holds $ROOT/.lock"
+fi
+
+run_health() {  # dir: the configured command, with RELEASE_DIR naming the release it checks
+    RELEASE_DIR=$1 sh -c "$HEALTH" >.health.log 2>&1 || { tail -n 1 .health.log; return 1; }
+}
+
+run_model() {  # dir: the model on the stored sample through ONNX Runtime, same argmax as the stored logits
+    python3 - "$1" >.health.log 2>&1 <<'EOF' || { tail -n 1 .health.log; return 1; }
+import sys
+import numpy as np
+import onnxruntime as ort
+d = sys.argv[1]
+s = np.load(d + "/sample.npz")
+out = ort.InferenceSession(d + "/model.onnx", providers=["CPUExecutionProvider"]).run(None, {"input": s["input"]})[0]
+ok = out.shape == s["logits"].shape and out.argmax() == s["logits"].argmax() and abs(out - s["logits"]).max() <= 1e-3
+sys.exit(0 if ok else "model output differs from the stored logits")
+EOF
+}
+
+preflight() {  # dir
+    if [ -f "$1/model.plan" ] && [ -x "$TRTEXEC" ]; then
+        "$TRTEXEC" --loadEngine="$1/model.plan" >.health.log 2>&1 || { grep -m1 'Error' .health.log || tail -n 1 .health.log; return 1; }
+    elif [ -n "$HEALTH" ]; then
+        run_health "$1"
+    elif command -v python3 >/dev/null 2>&1 && python3 -c 'import numpy, onnxruntime' >/dev/null 2>&1; then
+        run_model "$1"
+    else
+        (cd "$1" && sha256sum -c SHA256SUMS >/dev/null 2>&1 && [ -s model.onnx ]) || { echo "files do not match SHA256SUMS"; return 1; }
+    fi
+}
+
+restart() {
+    [ -z "$SERVICE" ] && return 0
+    out=$(systemctl restart "$SERVICE" 2>&1) || { echo "restart of $SERVICE failed: $(echo "$out" | tail -n 1)"; return 1; }
+}
+
+postcheck() {
+    if [ -n "$SERVICE" ]; then
+        state=$(systemctl is-active "$SERVICE" 2>/dev/null)
+        [ "$state" = active ] || { echo "$SERVICE is $state after restart"; return 1; }
+    fi
+    [ -z "$HEALTH" ] || run_health "$ROOT/current"
+}
+
+prune() {  # by activation order (.order, from the counter in .seq): mtimes may tie within a second
+    cur=$(readlink current 2>/dev/null) prev=$(readlink previous 2>/dev/null) n=0
+    for dir in releases/*/; do
+        dir=${dir%/}
+        case $dir in *.part) rm -rf "$dir"; continue ;; esac  # interrupted uploads of other releases
+        [ -d "$dir" ] && echo "$(cat "$dir/.order" 2>/dev/null || echo 0) $dir"
+    done | sort -rn | while read -r _ dir; do
+        n=$((n + 1))
+        if [ "$n" -gt "$KEEP" ] && [ "$dir" != "$cur" ] && [ "$dir" != "$prev" ]; then rm -rf "$dir"; fi
+    done
+}
+
+OLD_CUR=$(readlink current 2>/dev/null) OLD_PREV=$(readlink previous 2>/dev/null)
+drop_release() {  # a release that failed is removed unless a link still points at it
+    [ "releases/$REL" = "$OLD_CUR" ] || [ "releases/$REL" = "$OLD_PREV" ] || rm -rf "releases/$REL"
+}
+
+if ! why=$(preflight "$ROOT/releases/$REL"); then
+    drop_release
+    report PREFLIGHT_FAILED "preflight: $why"
+fi
+order=$(($(cat .seq 2>/dev/null || echo 0) + 1))
+echo "$order" >.seq && echo "$order" >"releases/$REL/.order"  # newest, for pruning
+if [ "$OLD_CUR" != "releases/$REL" ]; then
+    { [ -z "$OLD_CUR" ] || point previous "$OLD_CUR"; } && point current "releases/$REL" || report FAILED "switch failed"
+fi
+if ! why=$(restart) || ! why=$(postcheck); then
+    [ "$OLD_CUR" != "releases/$REL" ] || report FAILED "after restart: $why (on the release already active)"
+    point current "$OLD_CUR" && point previous "$OLD_PREV"
+    again=$(restart) || why="$why; $again after switching back"
+    drop_release
+    OLD_CUR=${OLD_CUR#releases/}
+    report ROLLED_BACK "after switch: $why; back to ${OLD_CUR:-no release}"
+fi
+prune
+report ACTIVE ""

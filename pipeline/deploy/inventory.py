@@ -1,0 +1,202 @@
+"""The fleet inventory: a TOML file of SSH targets ([defaults], [policy], [[targets]]), validated into models.
+
+Every key a target takes may also be set in [defaults]; a target's own value wins. Paths (`key`, `known_hosts`)
+may start with `~`. Errors name the inventory file, the target and the key, on one line.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pipeline.deploy.release import safe_name
+from pipeline.errors import PipelineError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+
+class SshTarget(_Strict):
+    """One device, after [defaults] were merged in."""
+
+    name: str
+    """Unique name, shown in tables; also names the target in results.json."""
+    host: str
+    """Address or DNS name to connect to."""
+    user: str = "root"
+    """Login user; it needs write access to `root` and, with `service`, the right to restart it."""
+    port: int = Field(22, ge=1, le=65535)
+    """SSH port."""
+    key: Path = Path("~/.ssh/id_ed25519")
+    """Private key file for public-key login."""
+    known_hosts: Path = Path("~/.ssh/known_hosts")
+    """Host keys the device must match; a device not listed there is refused."""
+    trust_on_first_use: bool = False
+    """Accept (and record in `known_hosts`) the key of a device not listed there yet. A listed device whose key
+    changed is still refused."""
+    root: str = "/opt/edge"
+    """Deploy root on the device: `releases/`, `current`, `previous`."""
+    service: str = ""
+    """systemd unit restarted after the switch (and after a switch back); "" = none."""
+    health_command: str = ""
+    """Shell command run on the device with RELEASE_DIR set: as preflight when the release has no engine, and
+    after the switch. "" = load the engine (trtexec) or run the model (python3 + onnxruntime) or check the files."""
+    tags: list[str] = Field(default_factory=list)
+    """Free-form labels (not used by the rollout)."""
+
+    @field_validator("name")
+    @classmethod
+    def _safe(cls, name: str) -> str:
+        try:
+            return safe_name(name, "name")
+        except PipelineError as err:
+            raise ValueError(str(err)) from None
+
+    @field_validator("root")
+    @classmethod
+    def _absolute(cls, root: str) -> str:
+        if not root.startswith("/") or ".." in root.split("/") or any(c in root for c in "'\"\\$`\n"):
+            raise ValueError(f"{root!r} must be an absolute path without '..' or quotes")
+        return root.rstrip("/") or "/"
+
+    @field_validator("key", "known_hosts")
+    @classmethod
+    def _expand(cls, path: Path) -> Path:
+        return path.expanduser()
+
+
+class Policy(_Strict):
+    """How a rollout proceeds through the fleet."""
+
+    canary: int | list[str] = 1
+    """Targets that go first, alone: a count (the first N in the inventory) or a list of names."""
+    wave_size: int = Field(4, ge=1)
+    """Targets per wave after the canary."""
+    max_parallel: int = Field(8, ge=1)
+    """Cap on concurrent SSH connections."""
+    max_failure_pct: float = Field(25, ge=0, le=100)
+    """Stop (remaining targets SKIPPED) once more than this share of all targets has failed."""
+    keep_releases: int = Field(3, ge=2)
+    """Releases kept per device; `current` and `previous` are never pruned."""
+    timeout_s: int = Field(300, ge=5)
+    """Limit for one target's whole deploy; every remote command also runs under a remote `timeout`."""
+
+    @field_validator("canary")
+    @classmethod
+    def _non_negative(cls, canary: int | list[str]) -> int | list[str]:
+        if isinstance(canary, int) and canary < 0:
+            raise ValueError("must be >= 0")
+        return canary
+
+
+class Inventory(_Strict):
+    """A validated inventory."""
+
+    path: Path
+    policy: Policy
+    targets: list[SshTarget]
+
+    @model_validator(mode="after")
+    def _canaries_exist(self) -> Inventory:
+        if isinstance(self.policy.canary, list):
+            names = {t.name for t in self.targets}
+            unknown = [n for n in self.policy.canary if n not in names]
+            if unknown:
+                raise ValueError(f"policy.canary: no target named {unknown[0]!r}")
+        return self
+
+    def select(self, name: str | None) -> list[SshTarget]:
+        """All targets, or the one called `name` (PipelineError naming the known ones otherwise)."""
+        if name is None:
+            return list(self.targets)
+        chosen = [t for t in self.targets if t.name == name]
+        if not chosen:
+            known = ", ".join(t.name for t in self.targets) or "none"
+            raise PipelineError(f"{self.path}: no target named {name!r} (known: {known})")
+        return chosen
+
+
+TARGET_KEYS = frozenset(SshTarget.model_fields)
+DEFAULT_KEYS = TARGET_KEYS - {"name", "host"}
+
+
+def load_inventory(path: Path) -> Inventory:
+    """Read and validate the inventory at `path`; any problem is a one-line PipelineError naming target and key."""
+    data = _read(path)
+    unknown = sorted(set(data) - {"defaults", "policy", "targets"})
+    if unknown:
+        raise PipelineError(f"{path}: unknown table [{unknown[0]}] (expected [defaults], [policy], [[targets]])")
+    defaults = _table(data, "defaults", path)
+    for key in defaults:
+        if key not in DEFAULT_KEYS:
+            raise PipelineError(f"{path}: defaults.{key}: unknown key")
+    entries = data.get("targets", [])
+    if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
+        raise PipelineError(f"{path}: needs at least one [[targets]] table")
+    targets = [_target(path, index, defaults, entry) for index, entry in enumerate(entries)]
+    _check_unique(path, targets)
+    try:
+        policy = Policy.model_validate(_table(data, "policy", path))
+        inventory = Inventory(path=path, policy=policy, targets=targets)
+    except ValidationError as err:
+        raise _error(path, "policy", err) from None
+    for target in targets:
+        _check_files(path, target)
+    return inventory
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise PipelineError(f"{path}: inventory not found") from None
+    except tomllib.TOMLDecodeError as err:
+        raise PipelineError(f"{path}: invalid TOML: {err}") from None
+    except (IsADirectoryError, UnicodeDecodeError) as err:
+        raise PipelineError(f"{path}: cannot read inventory: {err}") from None
+
+
+def _table(data: dict[str, Any], name: str, path: Path) -> dict[str, Any]:
+    table = data.get(name, {})
+    if not isinstance(table, dict):
+        raise PipelineError(f"{path}: {name} must be a table")
+    return table
+
+
+def _target(path: Path, index: int, defaults: dict[str, Any], entry: dict[str, Any]) -> SshTarget:
+    label = f"targets[{index}]" + (f" ({entry['name']})" if isinstance(entry.get("name"), str) else "")
+    try:
+        return SshTarget.model_validate({**defaults, **entry})
+    except ValidationError as err:
+        raise _error(path, label, err) from None
+
+
+def _error(path: Path, where: str, err: ValidationError) -> PipelineError:
+    first = err.errors()[0]
+    key = ".".join(str(p) for p in first["loc"])
+    msg = "unknown key" if first["type"] == "extra_forbidden" else first["msg"]
+    if first["type"] == "missing":
+        msg = "missing (set it here or in [defaults])"
+    return PipelineError(f"{path}: {where}" + (f": {key}" if key else "") + f": {msg}")
+
+
+def _check_unique(path: Path, targets: list[SshTarget]) -> None:
+    seen: set[str] = set()
+    for target in targets:
+        if target.name in seen:
+            raise PipelineError(f"{path}: targets: duplicate name {target.name!r}")
+        seen.add(target.name)
+
+
+def _check_files(path: Path, target: SshTarget) -> None:
+    if not target.key.is_file():
+        raise PipelineError(f"{path}: {target.name}: key: {target.key} not found")
+    if not target.known_hosts.is_file() and not target.trust_on_first_use:
+        raise PipelineError(
+            f"{path}: {target.name}: known_hosts: {target.known_hosts} not found "
+            "(list the device's host key there, or set trust_on_first_use = true)"
+        )

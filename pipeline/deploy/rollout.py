@@ -1,0 +1,100 @@
+"""A fleet rollout: the canary alone first, then waves; stop when the canary fails or too many targets failed.
+
+Within a wave targets run concurrently, never more than `policy.max_parallel` connections at once. Targets after
+a stop are reported SKIPPED (their devices untouched).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import shutil
+from collections.abc import Callable
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.table import Column, Table
+
+from pipeline.deploy import remote
+from pipeline.deploy.inventory import Inventory, SshTarget
+from pipeline.deploy.remote import ACTIVE, SKIPPED, Releases
+from pipeline.deploy.ssh import quiet_lost_connections
+
+
+def waves(inventory: Inventory) -> list[list[SshTarget]]:
+    """The canary wave (if any), then the other targets in inventory order, `wave_size` at a time."""
+    policy, targets = inventory.policy, inventory.targets
+    if isinstance(policy.canary, list):
+        canary = [t for t in targets if t.name in policy.canary]
+    else:
+        canary = targets[: policy.canary]
+    rest = [t for t in targets if t not in canary]
+    chunks = [rest[i : i + policy.wave_size] for i in range(0, len(rest), policy.wave_size)]
+    return ([canary] if canary else []) + chunks
+
+
+def plan_rows(inventory: Inventory) -> list[dict[str, Any]]:
+    """One row per target: the wave it is in (0 = canary when there is one) and where it is."""
+    rows = []
+    has_canary = bool(waves(inventory)) and bool(inventory.policy.canary)
+    for number, wave in enumerate(waves(inventory), start=0 if has_canary else 1):
+        for target in wave:
+            label = "canary" if has_canary and number == 0 else f"wave {number}"
+            rows.append(
+                {"target": target.name, "wave": label, "host": f"{target.host}:{target.port}", "root": target.root}
+            )
+    return rows
+
+
+def failed(row: dict[str, Any]) -> bool:
+    """A target that was tried and did not end ACTIVE."""
+    return row["status"] not in (ACTIVE, SKIPPED)
+
+
+async def rollout(inventory: Inventory, releases: Releases, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Deploy the run's release (each device its class's variant) wave by wave; one result row per target, in
+    inventory order."""
+    quiet_lost_connections()
+    policy = inventory.policy
+    limit = asyncio.Semaphore(policy.max_parallel)
+    rows: dict[str, dict[str, Any]] = {}
+    plan = waves(inventory)
+    canary = bool(policy.canary) and len(plan) > 0
+
+    async def one(target: SshTarget) -> dict[str, Any]:
+        async with limit:
+            return await remote.deploy(target, releases, policy, log)
+
+    stop = ""
+    for number, wave in enumerate(plan):
+        if stop:
+            for target in wave:
+                rows[target.name] = {**remote.new_result(target, releases.id), "reason": stop}
+            continue
+        for row in await asyncio.gather(*(one(t) for t in wave)):
+            rows[row["target"]] = row
+        bad = [r for r in rows.values() if failed(r)]
+        if canary and number == 0 and bad:
+            stop = f"not tried: the canary failed ({', '.join(r['target'] for r in bad)})"
+        elif 100 * len(bad) / len(inventory.targets) > policy.max_failure_pct:
+            stop = f"not tried: {len(bad)} of {len(inventory.targets)} targets failed (> {policy.max_failure_pct:g}%)"
+        if stop:
+            log(f"[deploy] stopping the rollout: {stop.removeprefix('not tried: ')}")
+    return [rows[t.name] for t in inventory.targets]
+
+
+def rollout_table(rows: list[dict[str, Any]]) -> str:
+    """Per-target outcome as text (status, device class, bytes sent, seconds, reason)."""
+    table = Table(
+        Column("target", overflow="fold"),
+        *(Column(name, no_wrap=True) for name in ("status", "class", "sent", "seconds")),
+        Column("reason", overflow="fold"),
+        box=box.SIMPLE_HEAD,
+    )
+    for r in rows:
+        sent = f"{r['bytes_sent'] / 1e6:.2f} MB"
+        table.add_row(r["target"], r["status"], r["device_class"] or "-", sent, f"{r['seconds']:.2f}", r["reason"])
+    buffer = io.StringIO()
+    Console(file=buffer, width=max(100, shutil.get_terminal_size((120, 24)).columns), color_system=None).print(table)
+    return buffer.getvalue().rstrip()

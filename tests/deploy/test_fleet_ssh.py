@@ -1,0 +1,402 @@
+"""SSH fleet deploys against stand-in Jetsons (real sshd per device; stand-in trtexec/systemctl/dpkg-query).
+
+Every fault test starts from a device running a good release and asserts it ends on that release, files intact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline import deploy
+from pipeline.cli import app
+from pipeline.config import Config, DeployConfig
+from pipeline.deploy import remote, ssh_fleet
+from pipeline.deploy.inventory import load_inventory
+from pipeline.deploy.ssh import Device
+from pipeline.errors import PipelineError
+from pipeline.manifest import RunDir, StageResult
+from tests.harness import XAVIER_NX_JP513, JetsonFleet, JetsonTarget, TargetSpec, fixtures, make_plan
+
+pytest.importorskip("asyncssh")
+
+QUIET = {"log": lambda _: None}
+ORIN = "orin-sm87-trt10.3.0"
+jetson_fleet = fixtures.jetson_fleet
+MakeRun = Callable[..., RunDir]
+
+
+NX = "xavier-sm72-trt8.5.2"
+STANDIN = {ORIN: ("10.3.0.30", "nvidia,tegra234"), NX: ("8.5.2.2", "nvidia,tegra194")}
+
+
+def record_engine(run: RunDir, size: int = 4096, classes: tuple[str, ...] = (ORIN,)) -> None:
+    """Stand-in engines (which the stand-in trtexec loads on their class) recorded as the build stage's outputs:
+    one class as the single `engine` output, several as `engine:<class>` outputs."""
+    outputs = {}
+    for klass in classes:
+        out = run.path / "engines" / klass
+        out.mkdir(parents=True)
+        version, soc = STANDIN[klass]
+        (out / "model.plan").write_bytes(make_plan(version, {"soc": soc, "run": run.path.name}, size))
+        (out / "build.json").write_text(json.dumps({"class": klass, "precision": "fp16"}))
+        key = "" if len(classes) == 1 else f":{klass}"
+        outputs |= {f"engine{key}": f"engines/{klass}/model.plan", f"build_info{key}": f"engines/{klass}/build.json"}
+    run.record(StageResult("build", "done", outputs=outputs), {})
+
+
+def fleet_cfg(fleet: JetsonFleet, **inventory: Any) -> Config:
+    return Config(deploy=DeployConfig(inventory=fleet.write_inventory(**inventory)))
+
+
+def results(run: RunDir) -> dict[str, dict[str, Any]]:
+    return {r["target"]: r for r in json.loads((run.path / "deploy/results.json").read_text())["targets"]}
+
+
+def links(target: JetsonTarget) -> tuple[str, str]:
+    out = target.run("cd /opt/edge && echo $(readlink current) $(readlink previous) .", check=False).stdout.split()
+    return tuple(p.removeprefix("releases/") for p in out[:-1]) + ("",) * (3 - len(out))  # type: ignore[return-value]
+
+
+def intact(target: JetsonTarget, release: str) -> bool:
+    """`current` points at `release` and every file matches its SHA256SUMS, checked on the device."""
+    check = target.run("cd /opt/edge/current && sha256sum -c SHA256SUMS && readlink /opt/edge/current", check=False)
+    return check.returncode == 0 and check.stdout.strip().endswith(f"releases/{release}")
+
+
+@pytest.fixture
+def two_runs(make_run: MakeRun, onnx_models: list[Path]) -> tuple[RunDir, RunDir]:
+    """A good first release and a second one (other model), both with an Orin engine."""
+    first, second = make_run("run-a", onnx_models[0]), make_run("run-b", onnx_models[1])
+    record_engine(first)
+    record_engine(second)
+    return first, second
+
+
+def deploy_ok(cfg: Config, run: RunDir) -> str:
+    return deploy.run(cfg, run, **QUIET).metrics["release"]
+
+
+def test_rollout_probe_redeploy_and_second_release(jetson_fleet, two_runs: tuple[RunDir, RunDir]):
+    fleet = jetson_fleet(3)
+    cfg = fleet_cfg(fleet, defaults={"service": "edge-infer"}, policy={"wave_size": 2})
+    for target in fleet:
+        target.standins.set_unit("edge-infer")
+    first, second = two_runs
+
+    a = deploy_ok(cfg, first)
+    rows = results(first)
+    assert {r["status"] for r in rows.values()} == {"ACTIVE"}
+    assert all(r["device_class"] == ORIN and r["previous"] == "" for r in rows.values())
+    sent = rows["orin-01"]["bytes_sent"]
+    files = sorted(p.name for p in (first.path / "deploy").iterdir())
+    installed = [p for p in (fleet["orin-01"].disk / "releases" / a).iterdir() if not p.name.startswith(".")]
+    assert sent == sum(p.stat().st_size for p in installed) and len(installed) == 8  # .order: activation order
+    assert "activate.sh" in os.listdir(fleet["orin-01"].disk / "releases" / a) and "plan.json" in files
+    plan = json.loads((first.path / "deploy/plan.json").read_text())
+    assert plan["waves"] == [["orin-01"], ["orin-02", "orin-03"]] and "activate.sh" in plan["variants"][ORIN]["files"]
+    for target in fleet:
+        assert intact(target, a)
+        trtexec = target.standins.calls("trtexec")
+        assert trtexec[-1][1:] == [f"--loadEngine=/opt/edge/releases/{a}/model.plan"]
+        assert target.standins.calls("systemctl")[-2:] == [
+            ["/usr/local/bin/systemctl", "restart", "edge-infer"],
+            ["/usr/local/bin/systemctl", "is-active", "edge-infer"],
+        ]
+
+    deploy_ok(cfg, first)  # unchanged: nothing sent, nothing restarted
+    assert {(r["status"], r["bytes_sent"], r["reason"]) for r in results(first).values()} == {
+        ("ACTIVE", 0, "already active")
+    }
+
+    b = deploy_ok(cfg, second)
+    row = results(second)["orin-02"]
+    assert (row["previous"], row["current"], row["status"]) == (a, b, "ACTIVE")
+    assert row["files_reused"] >= 2  # labels.txt and model.json are the same: linked on the device, not sent
+    assert 0 < row["bytes_sent"] < sent + (fleet["orin-02"].disk / "releases" / b / "model.onnx").stat().st_size
+    assert links(fleet["orin-02"]) == (b, a)
+
+    status = {r["target"]: r for r in ssh_fleet.status(load_inventory(cfg.deploy.inventory))}
+    assert status["orin-03"] | {"seconds": 0} == {
+        "target": "orin-03",
+        "status": "reachable",
+        "model": "NVIDIA Jetson AGX Orin Developer Kit",
+        "l4t": "36.4.3",
+        "jetpack": "6.2",
+        "tensorrt": "10.3.0",
+        "class": ORIN,
+        "free": status["orin-03"]["free"],
+        "temp": "45.0 C",
+        "current": b,
+        "previous": a,
+        "seconds": 0,
+    }
+
+    rolled = ssh_fleet.rollback(load_inventory(cfg.deploy.inventory), "orin-03")
+    assert rolled == [{"target": "orin-03", "status": "ROLLED_BACK", "current": a, "previous": b, "reason": ""}]
+    assert intact(fleet["orin-03"], a) and links(fleet["orin-02"]) == (b, a)
+
+
+def test_engine_for_another_class_and_too_little_space_are_refused(jetson_fleet, two_runs, make_run, onnx_models):
+    fleet = jetson_fleet([TargetSpec("orin-01"), TargetSpec("nx-01", board=XAVIER_NX_JP513), TargetSpec("tiny")])
+    cfg = fleet_cfg(fleet, policy={"canary": 0, "max_failure_pct": 100})
+    plain = make_run("run-plain", onnx_models[0])
+    a = deploy_ok(cfg, plain)  # ONNX only: every class takes it
+    fleet["tiny"].resize_disk("300k")  # the release (~250 kB, no 2x headroom left)
+    with pytest.raises(PipelineError, match="2 of 3 targets not active"):
+        deploy.run(cfg, two_runs[0], **QUIET)
+    rows = results(two_runs[0])
+    assert rows["orin-01"]["status"] == "ACTIVE"
+    assert rows["nx-01"]["status"] == "REFUSED" and rows["nx-01"]["bytes_sent"] == 0
+    assert rows["nx-01"]["reason"].startswith(f"engine built for {ORIN}, device is xavier-sm72-trt8.5.2")
+    assert rows["tiny"]["status"] == "REFUSED" and "< 2x the release" in rows["tiny"]["reason"]
+    assert rows["tiny"]["bytes_sent"] == 0
+    for name in ("nx-01", "tiny"):
+        assert intact(fleet[name], a) and links(fleet[name]) == (a, "")
+        assert sorted(os.listdir(fleet[name].disk / "releases")) == [a]
+
+    # Engines for both classes: each device gets the one built for it (and the stand-in trtexec loads it).
+    both = make_run("run-both", onnx_models[1])
+    record_engine(both, classes=(ORIN, NX))
+    cfg = fleet_cfg(fleet, names=["orin-01", "nx-01"], policy={"canary": 0})
+    c = deploy_ok(cfg, both)
+    for name, klass in (("orin-01", ORIN), ("nx-01", NX)):
+        engine = (fleet[name].disk / "releases" / c / "model.plan").read_bytes()
+        assert engine == (both.path / "engines" / klass / "model.plan").read_bytes() and intact(fleet[name], c)
+    assert sorted(json.loads((both.path / "deploy/plan.json").read_text())["variants"]) == [ORIN, NX]
+
+
+def test_failing_preflight_keeps_the_previous_release(jetson_fleet, two_runs):
+    fleet = jetson_fleet(1)
+    cfg = fleet_cfg(fleet)
+    a = deploy_ok(cfg, two_runs[0])
+    fleet["orin-01"].standins.set_trtexec(load_exit=1, error="Error[1]: engine deserialization failed")
+    with pytest.raises(PipelineError, match=r"orin-01 \(PREFLIGHT_FAILED: preflight: .*deserialization failed"):
+        deploy.run(cfg, two_runs[1], **QUIET)
+    assert intact(fleet["orin-01"], a) and links(fleet["orin-01"]) == (a, "")
+    assert os.listdir(fleet["orin-01"].disk / "releases") == [a]  # the failed release was removed
+
+
+def test_service_failing_after_the_switch_rolls_back(jetson_fleet, two_runs):
+    fleet = jetson_fleet(1)
+    target = fleet["orin-01"]
+    cfg = fleet_cfg(fleet, defaults={"service": "edge-infer"})
+    target.standins.set_unit("edge-infer")
+    a = deploy_ok(cfg, two_runs[0])
+    target.standins.set_unit("edge-infer", healthy=False)
+    target.standins.clear_calls()
+    with pytest.raises(PipelineError, match=r"ROLLED_BACK: after switch: edge-infer is failed after restart"):
+        deploy.run(cfg, two_runs[1], **QUIET)
+    assert results(two_runs[1])["orin-01"]["current"] == a
+    assert intact(target, a) and links(target) == (a, "")
+    restarts = [c for c in target.standins.calls("systemctl") if c[1] == "restart"]
+    assert len(restarts) == 2  # onto the new release, then back onto the old one
+
+
+def test_checksum_mismatch_on_the_device_then_resume(jetson_fleet, two_runs, monkeypatch):
+    fleet = jetson_fleet(1)
+    target = fleet["orin-01"]
+    cfg = fleet_cfg(fleet)
+    a = deploy_ok(cfg, two_runs[0])
+    put = remote.Device.put
+
+    async def corrupting_put(self: remote.Device, local: Path, remote_path: str) -> int:
+        sent = await put(self, local, remote_path)
+        if remote_path.endswith("/model.onnx"):  # bit rot between the upload and the check
+            target.run(f"printf X | dd of={remote_path} bs=1 seek=100 conv=notrunc 2>/dev/null")
+        return sent
+
+    monkeypatch.setattr(remote.Device, "put", corrupting_put)
+    with pytest.raises(PipelineError, match=r"VERIFY_FAILED: checksum mismatch on the device: model.onnx"):
+        deploy.run(cfg, two_runs[1], **QUIET)
+    assert intact(target, a) and links(target) == (a, "")
+    monkeypatch.setattr(remote.Device, "put", put)
+
+    b = deploy_ok(cfg, two_runs[1])  # resumes: only the file that failed is sent again
+    row = results(two_runs[1])["orin-01"]
+    assert row["files_sent"] == 1 and row["bytes_sent"] == (target.disk / "releases" / b / "model.onnx").stat().st_size
+    assert intact(target, b) and links(target) == (b, a)
+
+
+def test_unreachable_and_unknown_hosts_others_go_on(jetson_fleet, two_runs, tmp_path):
+    fleet = jetson_fleet([TargetSpec("orin-01"), TargetSpec("orin-02"), TargetSpec("stranger", in_known_hosts=False)])
+    cfg = fleet_cfg(fleet, policy={"canary": 1, "max_failure_pct": 70})
+    fleet["orin-02"].kill()
+    with pytest.raises(PipelineError, match="2 of 3 targets not active"):
+        deploy.run(cfg, two_runs[0], **QUIET)
+    rows = results(two_runs[0])
+    assert rows["orin-01"]["status"] == "ACTIVE"
+    assert rows["orin-02"]["status"] == "UNREACHABLE" and "connect: ConnectionRefusedError" in rows["orin-02"]["reason"]
+    assert rows["stranger"]["status"] == "REFUSED" and "is not in known_hosts" in rows["stranger"]["reason"]
+    assert not os.listdir(fleet["stranger"].disk)  # nothing was written to a device we could not verify
+
+    # Trust on first use, asked for explicitly: the key is recorded, and a changed key is refused afterwards.
+    tofu = fleet.write_inventory(tmp_path / "tofu.toml", names=["stranger"], defaults={"trust_on_first_use": True})
+    assert deploy_ok(Config(deploy=DeployConfig(inventory=tofu)), two_runs[0])
+    where = f"[127.0.0.1]:{fleet['stranger'].port}"
+    known = fleet.known_hosts_path.read_text()
+    assert f"{where} ssh-ed25519" in known
+    other_key = fleet["orin-01"].known_hosts_line().split(" ", 1)[1]
+    kept = "".join(line for line in known.splitlines(True) if where not in line)
+    fleet.known_hosts_path.write_text(kept + f"{where} {other_key}")  # the device's key "changed"
+    with pytest.raises(PipelineError, match=r"REFUSED: host key .* does not match the key known_hosts lists"):
+        deploy.run(Config(deploy=DeployConfig(inventory=tofu)), two_runs[1], **QUIET)
+    assert intact(fleet["stranger"], results(two_runs[0])["stranger"]["release"])
+
+
+def test_failing_canary_touches_nothing_else(jetson_fleet, two_runs):
+    fleet = jetson_fleet(3)
+    cfg = fleet_cfg(fleet, policy={"canary": ["orin-02"], "wave_size": 1})
+    a = deploy_ok(cfg, two_runs[0])
+    fleet["orin-02"].standins.set_trtexec(load_exit=1)
+    for target in fleet:
+        target.standins.clear_calls()
+    with pytest.raises(PipelineError, match=r"orin-02 \(PREFLIGHT_FAILED.*; 2 skipped"):
+        deploy.run(cfg, two_runs[1], **QUIET)
+    rows = results(two_runs[1])
+    assert [rows[n]["status"] for n in ("orin-01", "orin-02", "orin-03")] == ["SKIPPED", "PREFLIGHT_FAILED", "SKIPPED"]
+    assert rows["orin-01"]["reason"] == "not tried: the canary failed (orin-02)"
+    for target in fleet:
+        assert intact(target, a) and os.listdir(target.disk / "releases") == [a]
+    assert fleet["orin-01"].standins.calls() == [] and fleet["orin-03"].standins.calls() == []
+
+
+def test_connection_killed_mid_upload_then_resumed(jetson_fleet, make_run, onnx_models):
+    fleet = jetson_fleet([TargetSpec("orin-01", disk_size="200m")])
+    target = fleet["orin-01"]
+    cfg = fleet_cfg(fleet)
+    first, second = make_run("run-a", onnx_models[0]), make_run("run-b", onnx_models[1])
+    record_engine(first)
+    record_engine(second, size=40_000_000)
+    a = deploy_ok(cfg, first)
+
+    def kill_during_upload() -> None:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            tmp = [p for p in (target.disk / "releases").glob("*.part/model.plan.tmp") if p.stat().st_size > 1_000_000]
+            if tmp:
+                target.kill()
+                return
+            time.sleep(0.001)
+
+    killer = threading.Thread(target=kill_during_upload)
+    killer.start()
+    with pytest.raises(PipelineError, match=r"UPLOAD_FAILED: upload: ") as err:
+        deploy.run(cfg, second, **QUIET)
+    killer.join()
+    assert not target.running, f"the device was not killed during the upload: {err.value}"
+    target.restart()
+    assert intact(target, a) and links(target) == (a, "")
+
+    b = deploy_ok(cfg, second)
+    row = results(second)["orin-01"]
+    # model.onnx and sample.npz made it before the cut and are not sent again; the engine and SHA256SUMS are.
+    assert row["files_sent"] == 2
+    assert row["bytes_sent"] >= 40_000_000 and intact(target, b) and links(target) == (b, a)
+    assert not list((target.disk / "releases").glob("*.part"))
+
+
+def test_cli_plan_run_status_rollback_with_an_inventory(jetson_fleet, two_runs, monkeypatch):
+    fleet = jetson_fleet(2)
+    inventory = str(fleet.write_inventory(policy={"max_parallel": 1}))
+    open_now, most = [0], [0]
+    enter, leave = remote.Device.__aenter__, remote.Device.__aexit__
+
+    async def counting_enter(self: remote.Device) -> remote.Device:
+        open_now[0] += 1
+        most[0] = max(most[0], open_now[0])
+        return await enter(self)
+
+    async def counting_exit(self: remote.Device, *exc: Any) -> None:
+        open_now[0] -= 1
+        await leave(self, *exc)
+
+    monkeypatch.setattr(remote.Device, "__aenter__", counting_enter)
+    monkeypatch.setattr(remote.Device, "__aexit__", counting_exit)
+    runner = CliRunner()
+    plan = runner.invoke(app, ["deploy", "plan", "--inventory", inventory])
+    assert plan.exit_code == 0 and "canary" in plan.output and "wave 1" in plan.output
+
+    ran = runner.invoke(app, ["deploy", "run", "--run-dir", str(two_runs[0].path), "--inventory", inventory])
+    assert ran.exit_code == 0, ran.output
+    assert "ACTIVE" in ran.output and ORIN in ran.output
+    assert json.loads((two_runs[0].path / "config.json").read_text())["deploy"]["inventory"] == inventory
+
+    status = runner.invoke(app, ["deploy", "status", "--inventory", inventory], env={"COLUMNS": "300"})
+    assert status.exit_code == 0 and status.output.count(ORIN) == 2 and "36.4.3" in status.output
+
+    back = runner.invoke(app, ["deploy", "rollback", "--inventory", inventory, "--target", "orin-02"])
+    assert back.exit_code == 1 and "nothing to roll back to" in back.output
+    assert most[0] == 1  # policy.max_parallel caps concurrent connections
+
+
+@pytest.mark.slow
+def test_link_cut_mid_upload_on_a_shaped_link(jetson_fleet, make_run, onnx_models):
+    """A pulled cable (no RST, packets dropped) is noticed by keepalives; the device stays on its release."""
+    fleet = jetson_fleet([TargetSpec("link-01", network=True)])
+    target = fleet["link-01"]
+    assert target.link is not None
+    cfg = fleet_cfg(fleet)
+    first, second = make_run("run-a", onnx_models[0]), make_run("run-b", onnx_models[1])
+    record_engine(first)
+    record_engine(second, size=8_000_000)
+    a = deploy_ok(cfg, first)
+    target.link.shape("16mbit")  # 8 MB takes ~4 s
+
+    def cut_during_upload() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if [p for p in (target.disk / "releases").glob("*.part/model.plan.tmp") if p.stat().st_size > 500_000]:
+                target.link.cut()
+                return
+            time.sleep(0.01)
+
+    cutter = threading.Thread(target=cut_during_upload)
+    cutter.start()
+    with pytest.raises(PipelineError, match=r"UPLOAD_FAILED: upload: "):
+        deploy.run(cfg, second, **QUIET)
+    cutter.join()
+    target.link.heal()
+    target.link.unshape()
+    assert intact(target, a) and links(target) == (a, "")
+    b = deploy_ok(cfg, second)
+    assert intact(target, b) and links(target) == (b, a)
+
+
+def test_remote_commands_end_on_the_device_at_their_timeout(jetson_fleet):
+    fleet = jetson_fleet(1)
+    target = load_inventory(fleet.write_inventory()).targets[0]
+
+    async def slow() -> tuple[int, float, str]:
+        async with Device(target) as device:
+            started = time.perf_counter()
+            out = await device.run("echo started; sleep 30", timeout_s=1)
+            return out.exit_status, time.perf_counter() - started, out.stdout
+
+    status, seconds, stdout = asyncio.run(slow())
+    assert (status, stdout) == (124, "started\n") and seconds < 5  # `timeout` killed it on the device
+    assert fleet["orin-01"].run("pgrep -x sleep", check=False).returncode == 1  # nothing left running there
+
+
+def test_disk_filling_up_during_the_upload(jetson_fleet, make_run, onnx_models, monkeypatch):
+    """The space check passed, then the disk filled anyway (another writer): UPLOAD_FAILED, previous release kept."""
+    fleet = jetson_fleet([TargetSpec("orin-01", disk_size="2m")])
+    target = fleet["orin-01"]
+    cfg = fleet_cfg(fleet)
+    first, second = make_run("run-a", onnx_models[0]), make_run("run-b", onnx_models[1])
+    record_engine(first)
+    record_engine(second, size=1_900_000)
+    a = deploy_ok(cfg, first)
+    monkeypatch.setattr(remote, "_refuse_space", lambda release, facts: None)
+    with pytest.raises(PipelineError, match=r"UPLOAD_FAILED: upload: SFTPFailure.*\(disk full\?\)"):
+        deploy.run(cfg, second, **QUIET)
+    assert intact(target, a) and links(target) == (a, "")
