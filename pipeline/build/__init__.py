@@ -1,4 +1,4 @@
-"""Build stage: a TensorRT engine for this host's device class, or an honest skip when TensorRT is absent."""
+"""Build stage: a verified TensorRT engine per device class, or an honest skip (with reasons) where none is built."""
 
 from pipeline.build.stage import run
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -15,3 +15,9 @@ class Built:
     """Whether the FP16 builder flag was set (never on TensorRT >= 11, which is strongly typed)."""
     command: list[str] | None = None
     """The trtexec command line; None for the Python API."""
+    onnx: str = "onnx/model.onnx"
+    """Run-dir-relative ONNX file the engine was built from."""
+    precision_flags: list[str] = field(default_factory=list)
+    """Precision flags passed (`--fp16`, `--int8`, or BuilderFlag names); none on TensorRT >= 11."""
+    notes: list[str] = field(default_factory=list)
+    """Requested options this TensorRT version does not have (ignored)."""

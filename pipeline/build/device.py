@@ -21,11 +21,6 @@ def device_class(sm: str | None, trt_version: str | None) -> str:
     return "local"
 
 
-def trt_major(version: str | None) -> int | None:
-    """Major TensorRT version ("10.3.0" → 10), None when unknown."""
-    return int(version.split(".")[0]) if version else None
-
-
 def _nvidia_smi_sm() -> str | None:
     exe = shutil.which("nvidia-smi")
     if exe is None:

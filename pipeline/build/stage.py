@@ -1,11 +1,13 @@
-"""The build stage: one TensorRT engine for this host's device class, published under `engines/<class>/`.
+"""The build stage: TensorRT engines published under `engines/<class>/`, one per device class.
 
-The engine is built in a staging directory and moved into place only when the build succeeded, so a failed
-or interrupted build never replaces a good engine. Without TensorRT the stage is skipped, never faked.
+Without `build.classes` it builds for this host's class (pipeline.build.fleet handles declared classes). An engine
+is built in a staging directory, verified, and moved into place only when all of that succeeded, so a failed or
+interrupted build never replaces a good engine. Without TensorRT the stage is skipped, never faked.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shlex
 import shutil
@@ -13,21 +15,28 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from pipeline.build import python_api, trtexec
+from pipeline.build import engine_job, fleet, python_api, trtexec
 from pipeline.build.built import Built
+from pipeline.build.classes import from_inventory
 from pipeline.build.detect import Choice, choose
 from pipeline.build.device import device_class, local_sm
+from pipeline.build.engine_job import Job
+from pipeline.build.flags import Options
 from pipeline.build.profile import Profile, input_profile
-from pipeline.config import Config
+from pipeline.build.runners import Local
+from pipeline.config import BuildClass, Config
+from pipeline.deploy.inventory import load_inventory
 from pipeline.errors import PipelineError
 from pipeline.manifest import RunDir, StageResult, run_stage, sha256_file, write_json
 
 ONNX = "onnx/model.onnx"
 ENGINES = "engines"
 FAILED_LOG = "build-failed.log"
+CLASSES = "engines/classes.json"
 
 
 @dataclass(frozen=True)
@@ -56,7 +65,14 @@ def probe_host(choice: Choice) -> Host:
 
 
 def run(cfg: Config, run: RunDir, log: Callable[[str], None] = print) -> StageResult:
-    """Build `engines/<class>/model.plan` from `onnx/model.onnx`, or skip with the reason when TensorRT is absent."""
+    """Build `engines/<class>/model.plan` from `onnx/model.onnx`, or skip with the reason when TensorRT is absent.
+
+    With `build.classes` (or `build.from_inventory`) one engine per device class; the stage then always runs (the
+    builders' TensorRT lives outside the run) and the engine cache makes unchanged classes a copy.
+    """
+    if cfg.build.classes or cfg.build.from_inventory:
+        body = partial(_classes_body, cfg, run, log)
+        return run_stage(run, cfg, "build", ("build", "export"), [ONNX], body, log, cacheable=False)
     host = probe_host(choose(cfg.build))
     external = {"tensorrt": host.fingerprint()} if host.choice.builder else None
     return run_stage(
@@ -76,10 +92,12 @@ def _body(cfg: Config, run: RunDir, host: Host, log: Callable[[str], None]) -> S
     try:
         _seed_timing_cache(_known_class_dir(engines, host), staging)
         started = time.perf_counter()
-        built = _build(cfg, host, onnx, staging, profile, log)
+        built = _build(cfg, host, run, staging, profile, log)
         seconds = round(time.perf_counter() - started, 3)
         klass = device_class(host.sm or built.sm, built.tensorrt_version)
         info = _build_info(cfg, host, built, profile, klass, seconds, onnx)
+        info["verification"] = _verify_here(cfg, host, run, staging, profile, klass, built)
+        info["latency"] = info["verification"].get("latency", {})
         dest = _publish(staging, engines / klass, info)
     except PipelineError as err:
         kept = _keep_failed_log(staging, engines)
@@ -106,22 +124,30 @@ def _body(cfg: Config, run: RunDir, host: Host, log: Callable[[str], None]) -> S
     )
 
 
-def _build(cfg: Config, host: Host, onnx: Path, staging: Path, profile: Profile, log: Callable[[str], None]) -> Built:
+def _build(cfg: Config, host: Host, run: RunDir, staging: Path, profile: Profile, log: Callable[[str], None]) -> Built:
+    options = Options(cfg.build.precision, cfg.build.workspace_mb, cfg.build.opt_level)
     if host.choice.builder == "python":
-        return python_api.build(onnx, staging, profile, cfg.build.precision, cfg.build.workspace_mb, log)
+        return python_api.build(run.path, staging, profile, options, log)
     assert host.choice.trtexec is not None
     version = host.tensorrt_version or "version unknown"
     log(f"[build] trtexec (TensorRT {version}): building, limit {cfg.build.timeout_s}s")
     return trtexec.build(
-        host.choice.trtexec,
-        onnx,
-        staging,
-        profile,
-        cfg.build.precision,
-        cfg.build.workspace_mb,
-        host.tensorrt_version,
-        cfg.build.timeout_s,
+        host.choice.trtexec, run.path, staging, profile, options, host.tensorrt_version, cfg.build.timeout_s
     )
+
+
+def _verify_here(
+    cfg: Config, host: Host, run: RunDir, staging: Path, profile: Profile, klass: str, built: Built
+) -> dict[str, Any]:
+    """Verify this host's engine with its trtexec (the Python API builder: with `build.trtexec` when on PATH)."""
+    exe = host.choice.trtexec or shutil.which(cfg.build.trtexec)
+    if not cfg.build.verify or exe is None:
+        why = "build.verify = false" if not cfg.build.verify else f"no trtexec here ({cfg.build.trtexec!r})"
+        return {"checked": False, "reason": why}
+    options = Options(cfg.build.precision, cfg.build.workspace_mb, cfg.build.opt_level)
+    job = Job(klass, run.path, staging, profile, options, built.tensorrt_version or "", cfg.build.timeout_s)
+    sample = run.path / fleet.SAMPLE
+    return asyncio.run(engine_job.check(Local(exe, staging), job, sample if sample.is_file() else None))
 
 
 def _known_class_dir(engines: Path, host: Host) -> Path | None:
@@ -153,12 +179,15 @@ def _build_info(
         "sm": host.sm or built.sm,
         "precision": cfg.build.precision,
         "fp16_flag": built.fp16,
+        "precision_flags": built.precision_flags,
+        "onnx": built.onnx,
+        "notes": built.notes,
         "workspace_mb": cfg.build.workspace_mb,
         "input": profile.name,
         "shapes": profile.to_dict(),
         "seconds": seconds,
         "command": shlex.join(built.command) if built.command else None,
-        "onnx_sha256": sha256_file(onnx),
+        "onnx_sha256": sha256_file(onnx.parent.parent / built.onnx),
     }
 
 
@@ -183,3 +212,44 @@ def _keep_failed_log(staging: Path, engines: Path) -> Path | None:
         return None
     os.replace(log, engines / FAILED_LOG)
     return engines / FAILED_LOG
+
+
+def declared_classes(cfg: Config, log: Callable[[str], None]) -> list[BuildClass]:
+    """`build.classes`, plus the classes the inventory's devices report when `build.from_inventory` is set."""
+    classes = list(cfg.build.classes)
+    if cfg.build.from_inventory:
+        if cfg.deploy.inventory is None:
+            raise PipelineError("build.from_inventory: needs deploy.inventory (the devices to probe)")
+        known = {k.name for k in classes}
+        found = from_inventory(load_inventory(cfg.deploy.inventory), log)
+        classes += [k for k in found if k.name not in known]
+    return classes
+
+
+def _classes_body(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageResult:
+    ctx = fleet.Context(cfg, run, input_profile(run.path / ONNX, cfg.export), log)
+    rows: list[dict[str, Any]] = []
+    errors: list[str] = []
+    for klass in declared_classes(cfg, log):
+        try:
+            rows.append(fleet.build_class(ctx, klass))
+        except PipelineError as err:
+            errors.append(f"{klass.name}: {err}")
+    write_json(run.path / CLASSES, rows)
+    if errors:
+        raise PipelineError(f"build: {len(errors)} class(es) failed: {'; '.join(errors)}")
+    made = [row for row in rows if row["status"] != fleet.NOT_BUILT]
+    metrics = {
+        "classes": {row["class"]: row for row in rows},
+        "engines": len(made),
+        "cache_hits": sum(row["cache"] == "hit" for row in rows),
+        "not_built": len(rows) - len(made),
+    }
+    if not made:
+        reason = "; ".join(f"{row['class']}: not built: {row['reason']}" for row in rows) or "no device classes"
+        return StageResult("build", "skipped", outputs={"classes": CLASSES}, metrics=metrics, reason=reason)
+    outputs = {"engine": made[0]["engine"], "build_info": made[0]["build_info"], "classes": CLASSES}
+    metrics["engine_mb"] = round((run.path / made[0]["engine"]).stat().st_size / 1e6, 6)
+    for row in made:
+        outputs |= {f"engine:{row['class']}": row["engine"], f"build_info:{row['class']}": row["build_info"]}
+    return StageResult("build", "done", outputs=outputs, metrics=metrics)

@@ -9,8 +9,10 @@ import signal
 import subprocess
 from pathlib import Path
 
+from pipeline.build import flags
 from pipeline.build.built import Built
-from pipeline.build.device import sm_tag, trt_major
+from pipeline.build.device import sm_tag
+from pipeline.build.flags import Options
 from pipeline.build.profile import Profile
 from pipeline.errors import PipelineError
 
@@ -85,41 +87,30 @@ def probe_version(exe: str, scratch: Path) -> str | None:
     return parse_version(output)
 
 
-def command(
-    exe: str, onnx: Path, plan: Path, cache: Path, profile: Profile, workspace_mb: int, fp16: bool
-) -> list[str]:
-    """The trtexec build command line."""
-    cmd = [
-        exe,
-        f"--onnx={onnx}",
-        f"--saveEngine={plan}",
-        f"--minShapes={profile.spec(1)}",
-        f"--optShapes={profile.spec(profile.opt)}",
-        f"--maxShapes={profile.spec(profile.max)}",
-        f"--memPoolSize=workspace:{workspace_mb}M",
-        f"--timingCacheFile={cache}",
-        "--skipInference",  # build only: the benchmark run would add minutes on a small Jetson
-    ]
-    return [*cmd, "--fp16"] if fp16 else cmd
+def command(exe: str, onnx: Path, plan: Path, cache: Path, args: list[str]) -> list[str]:
+    """The trtexec build command line: `args` from :func:`pipeline.build.flags.trtexec_args`."""
+    return [exe, f"--onnx={onnx}", f"--saveEngine={plan}", f"--timingCacheFile={cache}", *args]
 
 
 def build(
     exe: str,
-    onnx: Path,
+    run_path: Path,
     staging: Path,
     profile: Profile,
-    precision: str,
-    workspace_mb: int,
+    options: Options,
     version: str | None,
     timeout_s: float,
 ) -> Built:
     """Build `staging/model.plan` (timing cache `staging/timing.cache`, log `staging/trtexec.log`)."""
-    major = trt_major(version)
-    fp16 = precision == "fp16" and (major is None or major < 11)
-    cmd = command(exe, onnx, staging / "model.plan", staging / "timing.cache", profile, workspace_mb, fp16)
+    chosen = flags.plan(version, options, run_path)
+    args, notes = flags.trtexec_args(version, chosen, options, profile)
+    cmd = command(exe, run_path / chosen.onnx, staging / "model.plan", staging / "timing.cache", args)
     returncode, output = run_logged(cmd, staging / "trtexec.log", timeout_s)
     if returncode != 0:
         raise PipelineError(f"build: trtexec exited with status {returncode}: {last_error(output)}")
     if not (staging / "model.plan").is_file():
         raise PipelineError(f"build: trtexec exited 0 but wrote no engine: {last_error(output)}")
-    return Built(version or parse_version(output), parse_sm(output), fp16, cmd)
+    fp16 = "--fp16" in chosen.precision_flags
+    return Built(
+        version or parse_version(output), parse_sm(output), fp16, cmd, chosen.onnx, chosen.precision_flags, notes
+    )

@@ -1,4 +1,5 @@
-"""A real ONNX export for the build stage, and run directories holding it."""
+"""A real ONNX export (and its fp16 / int8 variants and sample) for the build stage, run directories holding it,
+and stand-in trtexecs."""
 
 from __future__ import annotations
 
@@ -6,54 +7,83 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
-import torch
+from onnxconverter_common import float16
+from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
-from models import build_model
 from pipeline.config import Config
 from pipeline.manifest import RunDir, create_run_dir
+from tests.build.standins import StandinTrtexec
 
 
-def export_small_cnn(path: Path) -> Path:
-    """small_cnn (10 classes, 1x16x16) exported as the export stage does it: dynamic batch, input/logits, one file.
+class _Calibration(CalibrationDataReader):
+    def __init__(self) -> None:
+        rng = np.random.default_rng(0)
+        self._items = iter([{"input": rng.standard_normal((4, 1, 16, 16)).astype(np.float32)} for _ in range(4)])
 
-    Shared through the session's base temp dir, so build and deploy tests pay for one export (~3 s).
-    """
-    if path.exists():
-        return path
-    torch.manual_seed(0)
-    model = build_model("small_cnn", 10, 1).eval()
-    batch = torch.export.Dim("batch", min=1, max=32)
-    raw = path.with_name(f"raw-{path.name}")
-    torch.onnx.export(
-        model,
-        (torch.randn(2, 1, 16, 16),),
-        str(raw),
-        dynamo=True,
-        dynamic_shapes=({0: batch},),
-        input_names=["input"],
-        output_names=["logits"],
-    )
-    onnx.save(onnx.load(str(raw)), str(path))  # the exporter may put weights in raw.onnx.data: embed them
-    return path
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        return next(self._items, None)
 
 
 @pytest.fixture(scope="session")
-def small_onnx(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The exported model (once per session)."""
-    return export_small_cnn(tmp_path_factory.getbasetemp() / "small_cnn.onnx")
+def onnx_files(small_onnx: Path) -> dict[str, Path]:
+    """The export stage's files for small_cnn: model.onnx, an FP16 graph, a Q/DQ int8 graph and sample.npz
+    (one input with ONNX Runtime's logits for it), made with the real converters once per session."""
+    out = small_onnx.parent / "onnx-files"
+    files = {name: out / name for name in ("model.onnx", "model.fp16.onnx", "model.int8.onnx", "sample.npz")}
+    if all(path.exists() for path in files.values()):
+        return files
+    out.mkdir(exist_ok=True)
+    files["model.onnx"].write_bytes(small_onnx.read_bytes())
+    fp16 = float16.convert_float_to_float16(onnx.load(str(small_onnx)), keep_io_types=True)
+    onnx.save(fp16, str(files["model.fp16.onnx"]))
+    quantize_static(
+        str(small_onnx),
+        str(files["model.int8.onnx"]),
+        _Calibration(),
+        quant_format=QuantFormat.QDQ,
+        per_channel=True,
+        activation_type=QuantType.QInt8,
+        weight_type=QuantType.QInt8,
+        extra_options={"ActivationSymmetric": True, "WeightSymmetric": True},
+    )
+    x = np.random.default_rng(1).standard_normal((1, 1, 16, 16)).astype(np.float32)
+    session = ort.InferenceSession(str(small_onnx), providers=["CPUExecutionProvider"])
+    np.savez(files["sample.npz"], input=x, label=np.int64(0), logits=session.run(["logits"], {"input": x})[0])
+    return files
 
 
 @pytest.fixture
-def make_run(tmp_path: Path, small_onnx: Path) -> Callable[[Config], RunDir]:
-    """make_run(cfg): a run dir with the config snapshot and onnx/model.onnx, ready for the build stage."""
+def make_run(tmp_path: Path, onnx_files: dict[str, Path]) -> Callable[[Config], RunDir]:
+    """make_run(cfg): a run dir with the config snapshot and the export stage's onnx/ files, ready for build."""
 
     def make(cfg: Config) -> RunDir:
         run = create_run_dir(cfg, tmp_path / "run")
         (run.path / "onnx").mkdir(exist_ok=True)
-        (run.path / "onnx/model.onnx").write_bytes(small_onnx.read_bytes())
+        for name, path in onnx_files.items():
+            (run.path / "onnx" / name).write_bytes(path.read_bytes())
         return run
+
+    return make
+
+
+@pytest.fixture
+def standin(tmp_path: Path) -> Callable[..., StandinTrtexec]:
+    """standin(version="10.3.0", mode="ok", name="trtexec"): a stand-in trtexec in its own bin directory."""
+
+    def make(version: str = "10.3.0", mode: str = "ok", name: str = "trtexec") -> StandinTrtexec:
+        state = tmp_path / f"standin-{name}"
+        state.mkdir(exist_ok=True)
+        exe = state / name
+        script = Path(__file__).with_name("standin_trtexec.py")
+        exe.write_text(f'#!/bin/sh\nSTANDIN_TRTEXEC_STATE={state} exec {sys.executable} {script} "$@"\n')
+        exe.chmod(0o755)
+        tool = StandinTrtexec(exe, state)
+        tool.set(version, mode)
+        return tool
 
     return make
 

@@ -14,12 +14,14 @@ from pipeline.build.detect import python_api_problem
 from pipeline.config import BuildConfig, Config, ExportConfig
 from pipeline.errors import PipelineError
 from pipeline.manifest import RunDir
+from tests.build.standins import StandinTrtexec
 
 MakeRun = Callable[[Config], RunDir]
 
 
 def trtexec_config(exe: Path | str, precision: str = "fp16", opt: int = 8) -> Config:
-    build_cfg = BuildConfig(builder="auto", trtexec=str(exe), precision=precision, workspace_mb=256)
+    """This host's class with the build-only stand-in (verification is tested with the version-aware one)."""
+    build_cfg = BuildConfig(builder="auto", trtexec=str(exe), precision=precision, workspace_mb=256, verify=False)
     return Config(build=build_cfg, export=ExportConfig(max_batch=32, opt_batch=opt))
 
 
@@ -123,3 +125,17 @@ def test_python_api_builds_a_real_engine(make_run: MakeRun):
     assert result.status == "done" and info["builder"] == "python" and info["class"].startswith("local-sm")
     assert (run.path / result.outputs["engine"]).stat().st_size > 1000
     assert (run.path / "engines" / info["class"] / "timing.cache").stat().st_size > 0
+
+
+def test_local_engine_is_verified(make_run: MakeRun, standin: Callable[..., StandinTrtexec]):
+    tool = standin("10.3.0")
+    cfg = Config(build=BuildConfig(builder="trtexec", trtexec=str(tool.exe), precision="fp32"))
+    run = make_run(cfg)
+    info = json.loads((run.path / build.run(cfg, run, log=lambda _: None).outputs["build_info"]).read_text())
+    assert info["verification"]["plan_version"] == "10.3.0" and info["verification"]["outputs"]["passed"]
+    assert info["latency"]["p99_ms"] == 0.8
+
+    tool.set(mode="perturb")
+    cfg.build.precision = "fp16"
+    with pytest.raises(PipelineError, match=r"disagrees with ONNX Runtime .* > 1e-02 \(fp16\)"):
+        build.run(cfg, run, log=lambda _: None)

@@ -1,0 +1,63 @@
+"""The engine cache kept across runs: `<cache_dir>/<class>/<key>/` holds an engine and its build.json, and
+`<cache_dir>/<class>/timing.cache` the class's timing cache.
+
+The key hashes everything that changes the engine: the ONNX file's sha256, the TensorRT version, the class, the
+precision, the shapes and the builder options. Entries are written to a temp directory and renamed into place, so a
+half-written entry is never a hit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+ENTRY_FILES = ("model.plan", "build.json")
+
+
+def engine_key(parts: dict[str, Any]) -> str:
+    """sha256 of the key parts (sorted JSON), shortened to 24 hex digits for directory names."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def entry_dir(cache_dir: Path, klass: str, key: str) -> Path:
+    """Where the engine for (class, key) lives."""
+    return cache_dir / klass / key
+
+
+def lookup(cache_dir: Path, klass: str, key: str) -> Path | None:
+    """The entry directory when it holds a complete entry, else None."""
+    entry = entry_dir(cache_dir, klass, key)
+    return entry if all((entry / name).is_file() for name in ENTRY_FILES) else None
+
+
+def store(cache_dir: Path, klass: str, key: str, files: dict[str, Path]) -> Path:
+    """Copy `files` ({name in entry: source}) into the entry for (class, key), replacing an older one whole."""
+    entry = entry_dir(cache_dir, klass, key)
+    tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name, src in files.items():
+        shutil.copyfile(src, tmp / name)
+    shutil.rmtree(entry, ignore_errors=True)
+    os.replace(tmp, entry)
+    return entry
+
+
+def timing_cache(cache_dir: Path, klass: str) -> Path:
+    """The class's timing cache (may not exist yet)."""
+    return cache_dir / klass / "timing.cache"
+
+
+def keep_timing_cache(src: Path, cache_dir: Path, klass: str) -> None:
+    """Save the timing cache a build extended, for the next build of the class (one rename)."""
+    if not src.is_file():
+        return
+    dest = timing_cache(cache_dir, klass)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dest)

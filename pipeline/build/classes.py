@@ -1,0 +1,55 @@
+"""Device classes: declared in `[[build.classes]]`, or derived from what the deploy probe learns about devices.
+
+An engine is valid for one class: GPU compute capability and TensorRT version (the deploy probe names it
+`<family>-<sm>-trt<version>`, e.g. orin-sm87-trt10.3.0, and refuses engines of another class).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from pipeline.config import BuildClass
+from pipeline.deploy.inventory import Inventory, SshTarget
+from pipeline.deploy.probe import SOCS, Facts, parse_facts, probe_script
+from pipeline.deploy.ssh import FAILURES, Device, HostKeyRefused
+from pipeline.errors import PipelineError
+
+
+def from_facts(facts: Facts, target: str) -> BuildClass:
+    """The class of a probed device, built on that device (builder "device") at the next build."""
+    if not facts.tensorrt:
+        raise PipelineError(f"{target}: the probe found no TensorRT package (tensorrt, libnvinfer8/10)")
+    sm = SOCS.get(facts.soc, ("", ""))[1]
+    return BuildClass(
+        name=facts.device_class, tensorrt=facts.tensorrt, sm=sm, l4t=facts.l4t, builder="device", target=target
+    )
+
+
+async def probe_target(target: SshTarget) -> Facts:
+    """Probe one device (read-only) with the deploy probe script."""
+    async with Device(target) as device:
+        out = await device.run(probe_script(target.root), timeout_s=30)
+    if not out.ok:
+        raise PipelineError(f"{target.name}: probe failed: {out.tail()}")
+    return parse_facts(out.stdout)
+
+
+def from_inventory(inventory: Inventory, log: Callable[[str], None] = print) -> list[BuildClass]:
+    """One class per distinct device class in the fleet, built on the first device of that class (inventory
+    order). An unreachable device is left out, with a log line."""
+
+    async def probe_all() -> list[Facts | BaseException]:
+        return await asyncio.gather(*(probe_target(t) for t in inventory.targets), return_exceptions=True)
+
+    classes: dict[str, BuildClass] = {}
+    for target, facts in zip(inventory.targets, asyncio.run(probe_all()), strict=True):
+        if isinstance(facts, (*FAILURES, HostKeyRefused, PipelineError)):
+            why = str(facts).splitlines()[0] if str(facts) else type(facts).__name__
+            log(f"[build] {target.name}: not probed ({why})")
+            continue
+        if isinstance(facts, BaseException):
+            raise facts
+        klass = from_facts(facts, target.name)
+        classes.setdefault(klass.name, klass)
+    return list(classes.values())

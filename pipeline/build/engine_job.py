@@ -1,0 +1,112 @@
+"""One engine for one device class with trtexec behind a runner (here or on a device): build, fetch, verify.
+
+The steps are the same wherever trtexec runs: place the ONNX file (and the class's timing cache) in the runner's
+work directory, build under the time limit, fetch the engine and check its sha256 against the runner's side, then
+verify it there: plan version, a load on the export stage's sample, agreement with ONNX Runtime, latency.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.build import flags, verify
+from pipeline.build.built import Built
+from pipeline.build.flags import Options
+from pipeline.build.profile import Profile
+from pipeline.build.runners import Runner
+from pipeline.build.trtexec import last_error, parse_sm, parse_version
+from pipeline.errors import PipelineError
+from pipeline.manifest import sha256_file
+
+PLAN = "model.plan"
+CACHE = "timing.cache"
+LOG = "trtexec.log"
+
+
+@dataclass(frozen=True)
+class Job:
+    """What to build: the run dir's ONNX files, the profile, the options and the TensorRT version of the class."""
+
+    klass: str
+    run_path: Path
+    staging: Path
+    """Local directory receiving model.plan, timing.cache, trtexec.log (and the verification files)."""
+    profile: Profile
+    options: Options
+    version: str
+    """TensorRT version of the builder ("" when unknown: the plan version is then not checked)."""
+    timeout_s: int
+
+
+async def build(runner: Runner, job: Job) -> Built:
+    """Build on `runner`; the engine, timing cache and log end up in `job.staging`."""
+    chosen = flags.plan(job.version, job.options, job.run_path)
+    args, notes = flags.trtexec_args(job.version, chosen, job.options, job.profile)
+    await runner.put(job.run_path / chosen.onnx, "model.onnx")
+    if (job.staging / CACHE).is_file():
+        await runner.put(job.staging / CACHE, CACHE)
+    files = [f"--onnx={runner.path('model.onnx')}", f"--saveEngine={runner.path(PLAN)}"]
+    args = [*files, f"--timingCacheFile={runner.path(CACHE)}", *args]
+    status, output = await runner.tool(args, job.staging / LOG, job.timeout_s)
+    if status != 0:
+        raise PipelineError(f"build: trtexec on {runner.where} exited with status {status}: {last_error(output)}")
+    expected = await runner.sha256(PLAN)
+    if expected is None or not await runner.get(PLAN, job.staging / PLAN):
+        raise PipelineError(f"build: trtexec on {runner.where} exited 0 but wrote no engine: {last_error(output)}")
+    if sha256_file(job.staging / PLAN) != expected:
+        raise PipelineError(f"build: the engine fetched from {runner.where} does not match its sha256 there")
+    await runner.get(CACHE, job.staging / CACHE)
+    fp16 = "--fp16" in chosen.precision_flags
+    version = parse_version(output) or job.version
+    return Built(version, parse_sm(output), fp16, ["trtexec", *args], chosen.onnx, chosen.precision_flags, notes)
+
+
+async def check(runner: Runner, job: Job, sample: Path | None) -> dict[str, Any]:
+    """Verify the engine on `runner`; raises PipelineError when it fails, returns the facts for build.json."""
+    facts: dict[str, Any] = {}
+    if job.version and verify.has_plan_version(job.version):
+        facts["plan_version"] = await _plan_version(runner, job)
+    expected = None
+    if sample is not None:
+        expected = verify.write_input(sample, job.staging / "input.bin")
+        await runner.put(job.staging / "input.bin", "input.bin")
+    io = (runner.path("input.bin"), runner.path("output.json")) if sample is not None else None
+    args = verify.load_args(runner.path(PLAN), job.profile, job.options.dla_core, io)
+    status, output = await runner.tool(args, job.staging / "load.log", job.timeout_s)
+    if status != 0:
+        raise PipelineError(f"build: {job.klass}: the engine does not load on {runner.where}: {last_error(output)}")
+    facts["loads"] = True
+    facts["latency"] = verify.parse_latency(output)
+    facts["outputs"] = await _outputs(runner, job, expected)
+    return facts
+
+
+async def _plan_version(runner: Runner, job: Job) -> str:
+    """The engine's TensorRT version as `--getPlanVersionOnly` reads it; it must be the class's."""
+    status, output = await runner.tool(verify.plan_version_args(runner.path(PLAN)), job.staging / "plan.log", 120)
+    version = verify.parse_plan_version(output)
+    if status != 0 or version is None:
+        raise PipelineError(f"build: {job.klass}: trtexec --getPlanVersionOnly failed: {last_error(output)}")
+    if not verify.same_version(version, job.version):
+        raise PipelineError(f"build: {job.klass}: engine plan is TensorRT {version}, the class needs {job.version}")
+    return version
+
+
+async def _outputs(runner: Runner, job: Job, expected: Any) -> dict[str, Any]:
+    """Compare the exported outputs with ONNX Runtime's; a trtexec that exported nothing leaves them unchecked."""
+    if expected is None:
+        return {"checked": False, "reason": "onnx/sample.npz is missing (export stage writes it)"}
+    if not await runner.get("output.json", job.staging / "output.json"):
+        return {"checked": False, "reason": f"trtexec on {runner.where} wrote no --exportOutput file"}
+    try:
+        logits = verify.read_output(job.staging / "output.json")
+    except (ValueError, KeyError) as err:
+        raise PipelineError(f"build: {job.klass}: unreadable trtexec output JSON: {err}") from None
+    verdict = verify.agreement(job.options.precision, logits, expected)
+    if not verdict["passed"]:
+        raise PipelineError(
+            f"build: {job.klass}: engine disagrees with ONNX Runtime on onnx/sample.npz: {verdict['reason']}"
+        )
+    return {"checked": True, **verdict}

@@ -1,0 +1,291 @@
+"""Engines for declared device classes: one per class, from the engine cache when its key matches, else built by
+the class's builder (Python API or trtexec here, trtexec on a device over SSH) and verified before it is published.
+
+A class that cannot be built here is reported "not built" with the reason; the deploy contract for such a class is
+an install-time build on the device (builder "device" without a build target).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.build import cache, engine_job, python_api, trtexec
+from pipeline.build.built import Built
+from pipeline.build.detect import python_api_problem
+from pipeline.build.device import local_sm
+from pipeline.build.engine_job import Job
+from pipeline.build.flags import Options
+from pipeline.build.flags import plan as onnx_plan
+from pipeline.build.profile import Profile
+from pipeline.build.runners import Local, Remote
+from pipeline.build.verify import same_version
+from pipeline.config import BuildClass, Config
+from pipeline.deploy.inventory import SshTarget, load_inventory
+from pipeline.deploy.probe import SOCS, parse_facts, probe_script
+from pipeline.deploy.ssh import FAILURES, Device, HostKeyRefused
+from pipeline.errors import PipelineError
+from pipeline.manifest import RunDir, read_json, sha256_file, write_json
+
+SAMPLE = "onnx/sample.npz"
+NOT_BUILT = "not built"
+
+
+class NotBuilt(Exception):
+    """This host cannot build the class: the message is the reason shown in the manifest."""
+
+
+@dataclass(frozen=True)
+class Context:
+    """Everything one class build needs from the stage."""
+
+    cfg: Config
+    run: RunDir
+    profile: Profile
+    log: Callable[[str], None]
+
+    @property
+    def engines(self) -> Path:
+        """engines/ of the run."""
+        return self.run.path / "engines"
+
+
+def options_for(cfg: Config, klass: BuildClass) -> Options:
+    """The class's builder options: its own values, else the build section's."""
+    workspace = klass.workspace_mb or cfg.build.workspace_mb
+    opt_level = klass.opt_level if klass.opt_level is not None else cfg.build.opt_level
+    return Options(cfg.build.precision, workspace, opt_level, klass.dla_core)
+
+
+def key_parts(ctx: Context, klass: BuildClass, version: str, options: Options) -> dict[str, Any]:
+    """What the engine depends on: the engine cache key."""
+    onnx = ctx.run.path / onnx_plan(version, options, ctx.run.path).onnx
+    return {
+        "onnx_sha256": sha256_file(onnx),
+        "tensorrt": version,
+        "class": klass.name,
+        "shapes": ctx.profile.to_dict(),
+        **options.key(),
+    }
+
+
+def build_class(ctx: Context, klass: BuildClass) -> dict[str, Any]:
+    """Bring `engines/<class>/` up to date; returns the class's row for metrics and engines/classes.json."""
+    row: dict[str, Any] = {"class": klass.name, "builder": klass.builder, "cache": None, "reason": ""}
+    try:
+        return {**row, **_build_or_reuse(ctx, klass)}
+    except NotBuilt as why:
+        ctx.log(f"[build] {klass.name}: not built: {why}")
+        return {**row, "status": NOT_BUILT, "reason": str(why)}
+
+
+def _build_or_reuse(ctx: Context, klass: BuildClass) -> dict[str, Any]:
+    if klass.builder == "device":
+        if not klass.target:
+            raise NotBuilt("builder 'device' without a build target: the device builds it at install time")
+        return asyncio.run(_on_device(ctx, klass, _target(ctx.cfg, klass)))
+    if klass.builder == "python":
+        problem = python_api_problem()
+        if problem is not None:
+            raise NotBuilt(f"builder 'python': {problem}")
+        return _here(ctx, klass, python_api.tensorrt_version(), None)
+    exe = shutil.which(klass.trtexec)
+    if exe is None:
+        raise NotBuilt(f"builder 'trtexec': {klass.trtexec!r} is not an executable on PATH here")
+    with tempfile.TemporaryDirectory() as scratch:
+        version = trtexec.probe_version(exe, Path(scratch))
+    return _here(ctx, klass, version, exe)
+
+
+def _check_match(klass: BuildClass, version: str | None, sm: str | None, where: str) -> str:
+    """The TensorRT version to build with; NotBuilt when the builder's TensorRT or GPU is not the class's."""
+    if version is not None and not same_version(version, klass.tensorrt):
+        raise NotBuilt(f"{where} has TensorRT {version}, the class needs {klass.tensorrt}")
+    if klass.sm and sm and sm != klass.sm:
+        raise NotBuilt(f"{where} has a {sm} GPU, the class needs {klass.sm}")
+    return version or klass.tensorrt
+
+
+def _here(ctx: Context, klass: BuildClass, version: str | None, exe: str | None) -> dict[str, Any]:
+    version = _check_match(klass, version, local_sm(), f"this host ({klass.builder})")
+    options = options_for(ctx.cfg, klass)
+    hit = _reuse(ctx, klass, version, options)
+    if hit is not None:
+        return hit
+    with Staging(ctx, klass) as staging:
+        job = _job(ctx, klass, staging, version, options)
+        if exe is not None:
+            runner = Local(exe, staging)
+            built = asyncio.run(engine_job.build(runner, job))
+            checks = asyncio.run(_verify(ctx, runner, job))
+        else:
+            built = python_api.build(ctx.run.path, staging, ctx.profile, options, ctx.log)
+            checks = _verify_python(ctx, job)
+        return _publish(ctx, klass, job, built, checks)
+
+
+async def _on_device(ctx: Context, klass: BuildClass, target: SshTarget) -> dict[str, Any]:
+    options = options_for(ctx.cfg, klass)
+    try:
+        async with Device(target, command_timeout_s=ctx.cfg.build.timeout_s) as device:
+            facts = parse_facts((await device.run(probe_script(target.root), timeout_s=30)).stdout)
+            sm = SOCS.get(facts.soc, ("", None))[1]
+            version = _check_match(klass, facts.tensorrt or None, sm, f"device {target.name}")
+            hit = _reuse(ctx, klass, version, options)
+            if hit is not None:
+                return hit
+            with Staging(ctx, klass) as staging:
+                job = _job(ctx, klass, staging, version, options)
+                runner = Remote(device, klass.device_trtexec, f"/tmp/edge-build-{os.getpid()}-{klass.name}")
+                await runner.open()
+                try:
+                    ctx.log(f"[build] {klass.name}: building on {target.name} (TensorRT {version})")
+                    built = await engine_job.build(runner, job)
+                    checks = await _verify(ctx, runner, job)
+                finally:
+                    await runner.close()
+                return _publish(ctx, klass, job, built, checks)
+    except (*FAILURES, HostKeyRefused) as err:
+        raise NotBuilt(f"device {target.name} unreachable: {str(err).strip() or type(err).__name__}") from None
+
+
+def _target(cfg: Config, klass: BuildClass) -> SshTarget:
+    if cfg.deploy.inventory is None:
+        raise PipelineError(f"build.classes: {klass.name}: target {klass.target!r} needs deploy.inventory")
+    inventory = load_inventory(cfg.deploy.inventory)
+    for target in inventory.targets:
+        if target.name == klass.target:
+            return target
+    raise PipelineError(f"build.classes: {klass.name}: target {klass.target!r} is not in {cfg.deploy.inventory}")
+
+
+def _job(ctx: Context, klass: BuildClass, staging: Path, version: str, options: Options) -> Job:
+    seed = cache.timing_cache(ctx.cfg.build.cache_dir, klass.name)
+    if seed.is_file():
+        shutil.copyfile(seed, staging / engine_job.CACHE)
+    return Job(klass.name, ctx.run.path, staging, ctx.profile, options, version, ctx.cfg.build.timeout_s)
+
+
+def _reuse(ctx: Context, klass: BuildClass, version: str, options: Options) -> dict[str, Any] | None:
+    """Copy the cached engine in when the key matches; None on a miss."""
+    key = cache.engine_key(key_parts(ctx, klass, version, options))
+    entry = cache.lookup(ctx.cfg.build.cache_dir, klass.name, key)
+    if entry is None:
+        return None
+    info = {**_read_info(entry), "cache": "hit"}
+    if ctx.cfg.build.verify and not info.get("verification", {}).get("loads"):
+        return None  # built with build.verify = false: rebuild so that it is verified
+    dest = ctx.engines / klass.name
+    dest.mkdir(parents=True, exist_ok=True)
+    tmp = dest / f".model.plan.{os.getpid()}.tmp"
+    shutil.copyfile(entry / "model.plan", tmp)
+    os.replace(tmp, dest / "model.plan")
+    write_json(dest / "build.json", info)
+    ctx.log(f"[build] {klass.name}: engine cache hit ({key})")
+    return _row(ctx, info, "cached")
+
+
+def _read_info(entry: Path) -> dict[str, Any]:
+    info = read_json(entry / "build.json")
+    if not isinstance(info, dict):
+        raise PipelineError(f"{entry / 'build.json'}: not a JSON object (delete the entry)")
+    return info
+
+
+async def _verify(ctx: Context, runner: Local | Remote, job: Job) -> dict[str, Any]:
+    if not ctx.cfg.build.verify:
+        return {"checked": False, "reason": "build.verify = false"}
+    sample = ctx.run.path / SAMPLE
+    return await engine_job.check(runner, job, sample if sample.is_file() else None)
+
+
+def _verify_python(ctx: Context, job: Job) -> dict[str, Any]:
+    """Engines from the Python API are verified with trtexec when this host has one (build.trtexec)."""
+    exe = shutil.which(ctx.cfg.build.trtexec)
+    if exe is None:
+        return {"checked": False, "reason": f"no trtexec here ({ctx.cfg.build.trtexec!r}) to verify with"}
+    return asyncio.run(_verify(ctx, Local(exe, job.staging), job))
+
+
+class Staging:
+    """A fresh staging directory for one class, removed afterwards (a failed build keeps its log)."""
+
+    def __init__(self, ctx: Context, klass: BuildClass) -> None:
+        self.path = ctx.engines / f".staging-{os.getpid()}-{klass.name}"
+        self.failed_log = ctx.engines / klass.name / "build-failed.log"
+
+    def __enter__(self) -> Path:
+        shutil.rmtree(self.path, ignore_errors=True)
+        self.path.mkdir(parents=True)
+        return self.path
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        log = self.path / engine_job.LOG
+        if isinstance(exc, PipelineError) and log.is_file():
+            self.failed_log.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(log, self.failed_log)
+            exc.args = (f"{exc} (full log: {self.failed_log})",)
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _publish(ctx: Context, klass: BuildClass, job: Job, built: Built, checks: dict[str, Any]) -> dict[str, Any]:
+    """Store the verified engine in the engine cache and move it into engines/<class>/ (build.json last)."""
+    key_dict = key_parts(ctx, klass, job.version, job.options)
+    info = {
+        "class": klass.name,
+        "builder": klass.builder,
+        "target": klass.target or None,
+        "tensorrt_version": built.tensorrt_version or job.version,
+        "sm": klass.sm or built.sm,
+        "l4t": klass.l4t or None,
+        "precision": job.options.precision,
+        "onnx": built.onnx,
+        "precision_flags": built.precision_flags,
+        "fp16_flag": built.fp16,
+        "workspace_mb": job.options.workspace_mb,
+        "opt_level": job.options.opt_level,
+        "dla_core": job.options.dla_core,
+        "input": ctx.profile.name,
+        "shapes": ctx.profile.to_dict(),
+        "command": shlex.join(built.command) if built.command else None,
+        "notes": built.notes,
+        "onnx_sha256": key_dict["onnx_sha256"],
+        "engine_sha256": sha256_file(job.staging / engine_job.PLAN),
+        "cache_key": cache.engine_key(key_dict),
+        "verification": checks,
+        "latency": checks.get("latency", {}),
+    }
+    write_json(job.staging / "build.json", info)
+    files = {"model.plan": job.staging / engine_job.PLAN, "build.json": job.staging / "build.json"}
+    cache.store(ctx.cfg.build.cache_dir, klass.name, info["cache_key"], files)
+    cache.keep_timing_cache(job.staging / engine_job.CACHE, ctx.cfg.build.cache_dir, klass.name)
+    dest = ctx.engines / klass.name
+    dest.mkdir(parents=True, exist_ok=True)
+    for src, name in (("model.plan", "model.plan"), ("timing.cache", "timing.cache"), ("trtexec.log", "build.log")):
+        if (job.staging / src).is_file():
+            os.replace(job.staging / src, dest / name)
+    (dest / "build-failed.log").unlink(missing_ok=True)
+    info["cache"] = "miss"
+    write_json(dest / "build.json", info)
+    ctx.log(f"[build] {klass.name}: built ({(dest / 'model.plan').stat().st_size / 1e6:.2f} MB), cache miss")
+    return _row(ctx, info, "built")
+
+
+def _row(ctx: Context, info: dict[str, Any], status: str) -> dict[str, Any]:
+    klass = info["class"]
+    return {
+        "status": status,
+        "cache": info["cache"],
+        "tensorrt_version": info["tensorrt_version"],
+        "engine": f"engines/{klass}/model.plan",
+        "build_info": f"engines/{klass}/build.json",
+        "verified": bool(info.get("verification", {}).get("loads")),
+        "latency": info.get("latency", {}),
+    }

@@ -1,0 +1,142 @@
+"""Where trtexec runs: here (`Local`) or on a device over SSH (`Remote`), behind one small async interface.
+
+A runner owns a work directory the tool sees; `put` places a file there, `get` copies one back, `tool` runs trtexec
+with arguments that name files by their `path`. The build and verification steps are written once against it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shlex
+import shutil
+from pathlib import Path
+from typing import Protocol
+
+import asyncssh
+
+from pipeline.build.trtexec import run_logged
+from pipeline.deploy.ssh import FAILURES, Device
+from pipeline.errors import PipelineError
+from pipeline.manifest import sha256_file
+
+TIMEOUT_STATUS = 124
+"""Exit status of `timeout` (coreutils) when it stopped the command."""
+
+
+class Runner(Protocol):
+    """A place where trtexec runs, with a work directory."""
+
+    where: str
+    """Shown in messages: "this host" or "device <name>"."""
+
+    def path(self, name: str) -> str:
+        """How the tool names file `name` of the work directory."""
+        ...
+
+    async def put(self, local: Path, name: str) -> None:
+        """Place `local` in the work directory as `name`."""
+        ...
+
+    async def get(self, name: str, local: Path) -> bool:
+        """Copy `name` from the work directory to `local`; False when it does not exist."""
+        ...
+
+    async def sha256(self, name: str) -> str | None:
+        """sha256 of `name` as the runner's side computes it; None when it does not exist."""
+        ...
+
+    async def tool(self, args: list[str], log: Path, timeout_s: int) -> tuple[int, str]:
+        """Run trtexec with `args`; output (stdout and stderr) also goes to `log`. Returns (status, output)."""
+        ...
+
+
+class Local:
+    """trtexec on this host; the work directory is a local staging directory."""
+
+    def __init__(self, exe: str, workdir: Path) -> None:
+        self.exe = exe
+        self.workdir = workdir
+        self.where = "this host"
+
+    def path(self, name: str) -> str:
+        """Absolute path of `name` in the work directory."""
+        return str(self.workdir / name)
+
+    async def put(self, local: Path, name: str) -> None:
+        """Copy `local` in (nothing to do when it is already there)."""
+        if local.resolve() != (self.workdir / name).resolve():
+            shutil.copyfile(local, self.workdir / name)
+
+    async def get(self, name: str, local: Path) -> bool:
+        """Copy `name` out."""
+        src = self.workdir / name
+        if not src.is_file():
+            return False
+        if src.resolve() != local.resolve():
+            shutil.copyfile(src, local)
+        return True
+
+    async def sha256(self, name: str) -> str | None:
+        """sha256 of the local file."""
+        path = self.workdir / name
+        return sha256_file(path) if path.is_file() else None
+
+    async def tool(self, args: list[str], log: Path, timeout_s: int) -> tuple[int, str]:
+        """Run trtexec in its own process group under `timeout_s` (run_logged kills the group on timeout)."""
+        return run_logged([self.exe, *args], log, timeout_s)
+
+
+class Remote:
+    """trtexec on a device over SSH (pipeline.deploy.ssh.Device); the work directory is a temp dir there."""
+
+    def __init__(self, device: Device, exe: str, workdir: str) -> None:
+        self.device = device
+        self.exe = exe
+        self.workdir = workdir
+        self.where = f"device {device.target.name}"
+        self._sftp: asyncssh.SFTPClient | None = None
+
+    def path(self, name: str) -> str:
+        """Path of `name` on the device."""
+        return f"{self.workdir}/{name}"
+
+    async def _client(self) -> asyncssh.SFTPClient:
+        if self._sftp is None:
+            self._sftp = await self.device.conn.start_sftp_client()
+        return self._sftp
+
+    async def put(self, local: Path, name: str) -> None:
+        """Upload (to a temp name, then renamed)."""
+        await self.device.put(local, self.path(name))
+
+    async def get(self, name: str, local: Path) -> bool:
+        """Download over SFTP."""
+        sftp = await self._client()
+        if not await sftp.exists(self.path(name)):
+            return False
+        await sftp.get(self.path(name), str(local))
+        return True
+
+    async def sha256(self, name: str) -> str | None:
+        """`sha256sum` on the device."""
+        out = await self.device.run(f"sha256sum {shlex.quote(self.path(name))}", timeout_s=120)
+        return out.stdout.split()[0] if out.ok and out.stdout.split() else None
+
+    async def tool(self, args: list[str], log: Path, timeout_s: int) -> tuple[int, str]:
+        """Run trtexec under the device's own `timeout -k 5 N` (Device.run), stderr merged into stdout."""
+        out = await self.device.run(shlex.join([self.exe, *args]) + " 2>&1", timeout_s=timeout_s)
+        log.write_text(out.stdout + out.stderr)
+        if out.exit_status == TIMEOUT_STATUS:
+            raise PipelineError(f"build.timeout_s: trtexec on {self.where} did not finish within {timeout_s}s (killed)")
+        return out.exit_status, out.stdout + out.stderr
+
+    async def open(self) -> None:
+        """Create the work directory."""
+        out = await self.device.run(f"mkdir -p {shlex.quote(self.workdir)}", timeout_s=30)
+        if not out.ok:
+            raise PipelineError(f"{self.where}: cannot create {self.workdir}: {out.tail()}")
+
+    async def close(self) -> None:
+        """Remove the work directory (best effort: the device may be gone)."""
+        with contextlib.suppress(*FAILURES):
+            await self.device.run(f"rm -rf {shlex.quote(self.workdir)}", timeout_s=60)

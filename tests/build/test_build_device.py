@@ -1,0 +1,79 @@
+"""On-device builds over SSH against the harness's stand-in Jetsons (real sshd; stand-in trtexec at
+/usr/src/tensorrt/bin/trtexec that writes engines recording the ONNX file, the SoC and its argv)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from pipeline import build
+from pipeline.build.classes import from_facts
+from pipeline.config import BuildConfig, Config, DeployConfig, ExportConfig
+from pipeline.deploy.probe import Facts
+from pipeline.errors import PipelineError
+from pipeline.manifest import RunDir
+from tests.harness import XAVIER_NX_JP513, TargetSpec, fixtures
+from tests.harness.standin_tools import read_plan
+
+jetson_fleet = fixtures.jetson_fleet
+MakeRun = Callable[[Config], RunDir]
+QUIET = {"log": lambda _: None}
+ORIN, XAVIER = "orin-sm87-trt10.3.0", "xavier-sm72-trt8.5.2"
+
+
+def test_class_from_probe_facts():
+    facts = Facts(model="NVIDIA Jetson AGX Orin", soc="nvidia,tegra234", l4t="36.4.3", tensorrt="10.3.0")
+    klass = from_facts(facts, "orin-01")
+    assert (klass.name, klass.sm, klass.tensorrt, klass.l4t) == (ORIN, "sm87", "10.3.0", "36.4.3")
+    assert (klass.builder, klass.target) == ("device", "orin-01")
+    with pytest.raises(PipelineError, match="orin-02: the probe found no TensorRT package"):
+        from_facts(Facts(soc="nvidia,tegra234"), "orin-02")
+
+
+def test_fleet_classes_are_built_on_their_devices(make_run: MakeRun, jetson_fleet, tmp_path: Path):
+    fleet = jetson_fleet([TargetSpec("orin-01"), TargetSpec("orin-02"), TargetSpec("xavier-01", board=XAVIER_NX_JP513)])
+    build_cfg = BuildConfig(from_inventory=True, cache_dir=tmp_path / "cache", workspace_mb=512, timeout_s=60)
+    cfg = Config(
+        build=build_cfg,
+        export=ExportConfig(max_batch=8, opt_batch=4),
+        deploy=DeployConfig(inventory=fleet.write_inventory()),
+    )
+    run = make_run(cfg)
+    result = build.run(cfg, run, **QUIET)
+
+    assert result.status == "done" and set(result.metrics["classes"]) == {ORIN, XAVIER}
+    onnx_sha = hashlib.sha256((run.path / "onnx/model.onnx").read_bytes()).hexdigest()
+    for name, target, soc, version in (
+        (ORIN, "orin-01", "nvidia,tegra234", "10.3.0.30"),
+        (XAVIER, "xavier-01", "nvidia,tegra194", "8.5.2.2"),
+    ):
+        plan = read_plan((run.path / f"engines/{name}/model.plan").read_bytes())
+        assert plan is not None
+        built_with, meta = plan
+        assert built_with == version and meta["soc"] == soc and meta["hostname"] == target
+        assert meta["onnx_sha256"] == onnx_sha
+        assert "--memPoolSize=workspace:512M" in meta["argv"] and "--fp16" in meta["argv"]
+        calls = fleet[target].standins.calls("trtexec")
+        assert all(argv[0] == "/usr/src/tensorrt/bin/trtexec" for argv in calls)
+        assert fleet[target].run("ls /tmp", check=False).stdout.strip() == ""  # the work directory is gone
+    assert "--skipInference" in read_plan((run.path / f"engines/{ORIN}/model.plan").read_bytes())[1]["argv"]
+    assert "--buildOnly" in read_plan((run.path / f"engines/{XAVIER}/model.plan").read_bytes())[1]["argv"]
+    assert fleet["orin-02"].standins.calls("trtexec") == []  # one build per class, on the first device
+    assert not any("--getPlanVersionOnly" in argv for argv in fleet["xavier-01"].standins.calls("trtexec"))
+    orin = result.metrics["classes"][ORIN]
+    assert orin["verified"] and orin["latency"]["median_ms"] == 1.22 and orin["latency"]["throughput_qps"] == 812.4
+
+    builds = len(fleet["orin-01"].standins.calls("trtexec"))
+    again = build.run(cfg, run, **QUIET)
+    assert again.metrics["cache_hits"] == 2 and len(fleet["orin-01"].standins.calls("trtexec")) == builds
+
+    fleet["orin-01"].standins.set_trtexec(
+        build_exit=1, error="Error[2]: Requested amount of GPU memory could not be allocated"
+    )
+    cfg.build.workspace_mb = 256  # a new key: must build, and fails
+    failed = r"orin-sm87-trt10\.3\.0: build: trtexec on device orin-01 exited with status 1: .*Error\[2\]: Requested"
+    with pytest.raises(PipelineError, match=failed):
+        build.run(cfg, run, **QUIET)
