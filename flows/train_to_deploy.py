@@ -42,8 +42,11 @@ def stage_task(stage: str, run_dir: str) -> dict[str, Any]:
     """Run one pipeline stage on the run directory with the config snapshotted there."""
     run = RunDir(Path(run_dir))
     cfg = run.load_config()
+    logger = get_run_logger()
+    # torchrun's output goes into the run's logs, not just the worker's terminal.
+    options = {"output": logger.info} if stage == "train" else {}
     with training_progress(run, cfg.train.epochs, enabled=stage == "train"):
-        result = run_one(stage, cfg, run, log=get_run_logger().info)
+        result = run_one(stage, cfg, run, log=logger.info, **options)
     return asdict(result)
 
 

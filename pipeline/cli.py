@@ -5,6 +5,7 @@ Every subcommand maps to one library function; this file only parses arguments a
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -114,36 +115,106 @@ def _stage_command(stage: str, doc: str) -> None:
 
 _stage_command("consolidate", "Merge the latest sharded checkpoint into model/model.safetensors + model.json.")
 _stage_command("export", "Export ONNX with a dynamic batch axis and check parity against PyTorch.")
-_stage_command("build", "Build a TensorRT engine, or report the stage as skipped when TensorRT is absent.")
+
+
+@app.command(name="build")
+def build_command(
+    run_dir: ExistingRunDir,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    inventory: InventoryOpt = None,
+) -> None:
+    """Build a TensorRT engine per device class (`build.classes`; with --inventory also one per class the fleet's
+    devices report, built on a device of that class), or report the stage as skipped when TensorRT is absent."""
+    overrides = _with_inventory(set_, inventory) + (["build.from_inventory=true"] if inventory else [])
+    cfg, rd = _stage_config(config, run_dir, overrides)
+    run_one("build", cfg, rd, log=log)
+
+
+InventoryOpt = Annotated[
+    Path | None, typer.Option("--inventory", "-i", help="Fleet inventory TOML (SSH devices); sets deploy.inventory.")
+]
+
+
+def _with_inventory(overrides: list[str] | None, inventory: Path | None) -> list[str]:
+    """--inventory as one more `--set` (a JSON string is a TOML string), so the run's config records it."""
+    return [*(overrides or []), *([f"deploy.inventory={json.dumps(str(inventory.absolute()))}"] if inventory else [])]
+
+
+def _inventory(config: Path | None, overrides: list[str] | None, inventory: Path | None) -> Path | None:
+    from pipeline.config import load_config
+
+    return inventory or load_config(config, overrides).deploy.inventory
 
 
 @deploy_app.command("run")
-def deploy_run(run_dir: ExistingRunDir, config: ConfigOpt = None, set_: SetOpt = None) -> None:
+def deploy_run(
+    run_dir: ExistingRunDir, config: ConfigOpt = None, set_: SetOpt = None, inventory: InventoryOpt = None
+) -> None:
     """Release the run's model to every target: upload, verify, switch, health check, roll back on failure."""
-    cfg, rd = _stage_config(config, run_dir, set_)
+    cfg, rd = _stage_config(config, run_dir, _with_inventory(set_, inventory) or None)
     run_one("deploy", cfg, rd, log=log)
 
 
-@deploy_app.command("status")
-def deploy_status(config: ConfigOpt = None, set_: SetOpt = None) -> None:
-    """Show what each target runs now."""
-    from pipeline.config import load_config
-    from pipeline.deploy import status
+@deploy_app.command("plan")
+def deploy_plan(inventory: InventoryOpt = None, config: ConfigOpt = None, set_: SetOpt = None) -> None:
+    """Show the rollout order (canary, waves) without touching any device."""
+    from pipeline.deploy.inventory import load_inventory
+    from pipeline.deploy.rollout import plan_rows
 
-    _print_targets(status(load_config(config, set_)))
+    path = _inventory(config, set_, inventory)
+    if path is None:
+        raise PipelineError("deploy plan: needs --inventory (or deploy.inventory in the config)")
+    _print_targets(plan_rows(load_inventory(path)))
+
+
+@deploy_app.command("status")
+def deploy_status(inventory: InventoryOpt = None, config: ConfigOpt = None, set_: SetOpt = None) -> None:
+    """Show what each target runs now (over SSH: model, L4T, JetPack, TensorRT, class, free space, temperature)."""
+    from pipeline.config import load_config
+
+    path = _inventory(config, set_, inventory)
+    if path is None:
+        from pipeline.deploy import status
+
+        _print_targets(status(load_config(config, set_)))
+        return
+    from pipeline.deploy import ssh_fleet
+    from pipeline.deploy.inventory import load_inventory
+
+    rows = ssh_fleet.status(load_inventory(path))
+    _print_targets(rows)
+    _exit_if(rows, ok=("reachable",))
 
 
 @deploy_app.command("rollback")
 def deploy_rollback(
+    inventory: InventoryOpt = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     target: Annotated[str | None, typer.Option(help="Only this target (default: all).")] = None,
 ) -> None:
     """Switch targets back to their previous release."""
     from pipeline.config import load_config
-    from pipeline.deploy import rollback
 
-    _print_targets(rollback(load_config(config, set_), target))
+    path = _inventory(config, set_, inventory)
+    if path is None:
+        from pipeline.deploy import rollback
+
+        _print_targets(rollback(load_config(config, set_), target))
+        return
+    from pipeline.deploy import ssh_fleet
+    from pipeline.deploy.inventory import load_inventory
+
+    rows = ssh_fleet.rollback(load_inventory(path), target)
+    _print_targets(rows)
+    _exit_if(rows, ok=("ROLLED_BACK",))
+
+
+def _exit_if(rows: list[dict], ok: tuple[str, ...]) -> None:
+    """Exit 1 when any device's row is not in an `ok` status (the table above says why)."""
+    if any(row["status"] not in ok for row in rows):
+        raise typer.Exit(1)
 
 
 def _print_targets(rows: list[dict]) -> None:

@@ -73,12 +73,57 @@ class TrainConfig(Section):
     """Peak learning rate of AdamW (cosine-decayed to zero)."""
     weight_decay: float = Field(1e-4, ge=0.0)
     """AdamW weight decay."""
-    strategy: Literal["ddp"] = "ddp"
-    """Data-parallel strategy. FSDP and `auto` come with the training issue."""
-    precision: Literal["auto", "fp32", "bf16-mixed"] = "auto"
-    """`auto` is bf16 autocast on GPUs that support it and fp32 on CPU, where bf16 buys no speed."""
-    compression: Literal["none", "fp16", "bf16"] = "none"
-    """Gradient compression on the DDP all-reduce: `fp16`/`bf16` halve the bytes on the wire."""
+    strategy: Literal["ddp", "fsdp", "auto"] = "ddp"
+    """`ddp`: a full replica per rank; `fsdp`: FSDP2, parameters, gradients and optimizer state sharded per block;
+    `auto`: FSDP when the DDP estimate (parameters + gradients + optimizer state + activations) exceeds
+    `train.memory_budget_mb`, else DDP (the choice and its reason are logged)."""
+    precision: Literal["auto", "fp32", "bf16-mixed", "fp16-mixed"] = "auto"
+    """`auto` is bf16 autocast on GPUs that support it and fp32 on CPU, where bf16 buys no speed. `fp16-mixed`
+    scales the loss (GradScaler); fp16 autocast is very slow on CPU."""
+    compression: Literal["none", "fp16", "bf16", "powersgd", "topk", "sign", "localsgd"] = "none"
+    """Gradient compression. DDP: `fp16`/`bf16` halve the bytes; `powersgd` (low rank, `powersgd_rank`), `topk`
+    (largest `topk_fraction` of entries) and `sign` (1 bit per entry and one fp32 scale per tensor) keep what they
+    did not send as error feedback; `localsgd` trains locally and averages the models every `localsgd_period` steps.
+    FSDP: only `none`, or `fp16`/`bf16` for a low-precision reduce-scatter."""
+    compression_warmup_steps: int = Field(10, ge=0)
+    """Optimizer steps of plain all-reduce before `powersgd` (needs >= 2), `topk`, `sign` or `localsgd` start."""
+    powersgd_rank: int = Field(2, ge=1)
+    """Rank of PowerSGD's low-rank approximation: bytes grow linearly with it."""
+    topk_fraction: float = Field(0.01, gt=0.0, le=1.0)
+    """Share of each bucket's gradient entries `topk` sends (values as fp32, indices as int32)."""
+    localsgd_period: int = Field(8, ge=1)
+    """`localsgd`: steps between model averagings after warm-up."""
+    memory_budget_mb: int | None = Field(None, ge=1)
+    """Memory one rank may use, for `strategy = "auto"`; unset: free CUDA memory, or 80% of the host's available
+    memory split between the node's ranks."""
+    grad_clip_norm: float | None = Field(None, gt=0.0)
+    """Clip the global gradient norm (across all ranks and shards) to this value; unset: no clipping."""
+    accumulation: int = Field(1, ge=1)
+    """Micro-steps per optimizer step: each rank's share of the batch is split in this many micro-batches, and
+    gradients are synchronised only after the last (`no_sync`). The global batch does not change."""
+    checkpoint_every_steps: int | None = Field(None, ge=1)
+    """Also checkpoint every this many optimizer steps (mid-epoch; resume continues from the same batch);
+    unset: only at each epoch's end."""
+    max_restarts: int = Field(0, ge=0)
+    """torchrun `--max-restarts`: when a rank dies, restart the whole group this many times; each restart resumes
+    from `latest` (set `checkpoint_every_steps` to lose less than an epoch)."""
+    pg_timeout_s: int = Field(1800, ge=1)
+    """Seconds a collective may wait for a peer before the process group gives up (`init_process_group(timeout)`);
+    raise it on links that black out for a while."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment for the ranks, under the libraries' own variable names, e.g. `NCCL_SOCKET_IFNAME`,
+    `GLOO_SOCKET_IFNAME`, `TORCH_NCCL_ASYNC_ERROR_HANDLING`, `NCCL_IB_DISABLE`; applied on top of the caller's."""
+    thermal_limit_c: float | None = None
+    """Device temperature (°C) above which each rank halves its micro-batch and doubles accumulation (the global
+    batch stays the same), and steps back once 5 °C cooler; unset: off. CUDA out-of-memory halves it too."""
+    thermal_path: Path | None = None
+    """File to read the temperature from (millidegrees or degrees, like a Jetson thermal zone); unset: the hottest
+    `/sys/class/thermal/thermal_zone*/temp`, else `nvidia-smi`."""
+    thermal_every_steps: int = Field(10, ge=1)
+    """Steps between temperature readings."""
+    augment_shift: int = Field(0, ge=0)
+    """Random translation of training batches by up to this many pixels (0: off); each rank draws its own shifts
+    from a seed derived from `run.seed`, its rank and the step, so a resumed run draws the same ones."""
     nproc_per_node: int = Field(2, ge=1)
     """Ranks started on this node: one per GPU with nccl, or this many CPU ranks with gloo."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -90,10 +135,19 @@ class TrainConfig(Section):
     timeout_s: int = Field(3600, ge=10)
     """Wall-clock limit for the whole torchrun job; the process group is killed past it."""
 
+    @model_validator(mode="after")
+    def _compatible(self) -> TrainConfig:
+        if self.compression == "powersgd" and self.compression_warmup_steps < 2:
+            raise ValueError("train.compression_warmup_steps must be >= 2 for powersgd (its error feedback)")
+        if self.strategy == "fsdp" and self.compression not in ("none", "fp16", "bf16"):
+            raise ValueError(f"train.compression {self.compression!r} works with DDP only (fsdp: none, fp16, bf16)")
+        return self
+
 
 class ExportConfig(Section):
     opset: int = Field(18, ge=13, le=23)
-    """ONNX opset requested. The exporter raises anything below 18 to 18; the stage records what the file declares."""
+    """Highest ONNX opset wanted; the file gets the lower of this and what `export.min_tensorrt` parses (the dynamo
+    exporter writes >= 18 and the stage converts down). parity.json records the opset and why."""
     max_batch: int = Field(32, ge=1)
     """Largest batch of the dynamic batch axis (min is 1); also the `max` TensorRT profile shape."""
     opt_batch: int = Field(8, ge=1)
@@ -102,6 +156,23 @@ class ExportConfig(Section):
     """Validation images compared between ONNX Runtime and PyTorch."""
     atol: float = Field(1e-4, gt=0.0)
     """Largest allowed absolute difference between ONNX Runtime and PyTorch logits."""
+    min_tensorrt: str = Field("8.5", pattern=r"^\d+\.\d+$")
+    """Oldest TensorRT among the targets ("major.minor"); the file's opset is lowered to what it parses (8.5 and
+    8.6: 17, 10.x: 20). JetPack 5.1 ships 8.5, JetPack 6.0 8.6, JetPack 6.1/6.2 10.3."""
+    exporter: Literal["dynamo", "legacy"] = "dynamo"
+    """`dynamo`: torch.export-based exporter (writes opset >= 18, converted down when needed). `legacy`: the
+    deprecated TorchScript exporter, writing the target opset directly; only a fallback for models whose opset
+    conversion fails."""
+    simplify: bool = False
+    """Run onnxscript's graph optimizer (constant folding, dead code removal) on the fp32 graph; parity is checked
+    on the simplified file."""
+    variants: list[Literal["fp32", "fp16", "int8"]] = Field(default_factory=lambda: ["fp32"])
+    """Files to write: `fp32` onnx/model.onnx (always), `fp16` onnx/model.fp16.onnx (FP16 graph, fp32 inputs and
+    outputs), `int8` onnx/model.int8.onnx (explicit Q/DQ, symmetric, per-channel weights)."""
+    calibration_samples: int = Field(256, ge=1)
+    """Training images that calibrate the int8 activation ranges."""
+    max_accuracy_drop: float = Field(0.01, ge=0.0, le=1.0)
+    """Largest allowed validation-accuracy drop of the fp16 and int8 files below the fp32 file (0.01 = 1 point)."""
 
     @model_validator(mode="after")
     def _opt_within_max(self) -> ExportConfig:
@@ -110,17 +181,65 @@ class ExportConfig(Section):
         return self
 
 
+class BuildClass(Section):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    """Device class, e.g. `orin-sm87-trt10.3.0` (what the deploy probe calls the device); names `engines/<name>/`."""
+    tensorrt: str = Field(pattern=r"^\d+\.\d+(\.\d+)?$")
+    """TensorRT version of the class ("10.3" or "10.3.0"); a builder reporting another version does not build it."""
+    sm: str = Field("", pattern=r"^(sm\d+)?$")
+    """GPU compute capability ("sm87" = Orin); "" = not checked."""
+    l4t: str = ""
+    """L4T release of the class (informational, recorded in build.json)."""
+    builder: Literal["python", "trtexec", "device"] = "trtexec"
+    """`python`: the TensorRT Python API here; `trtexec`: `trtexec` here; `device`: `device_trtexec` on the
+    inventory target `target` over SSH, or, without `target`, the device builds at install time (not built here)."""
+    trtexec: str = "trtexec"
+    """trtexec here (builder `trtexec`): a name on PATH or an absolute path."""
+    target: str = ""
+    """Inventory target (deploy.inventory) that builds this class (builder `device`)."""
+    device_trtexec: str = "/usr/src/tensorrt/bin/trtexec"
+    """trtexec on the device (builder `device`)."""
+    workspace_mb: int | None = Field(None, ge=16)
+    """Workspace limit for this class; None = build.workspace_mb (small Jetsons need less)."""
+    opt_level: int | None = Field(None, ge=0, le=5)
+    """Builder optimisation level (TensorRT >= 8.6); None = build.opt_level."""
+    dla_core: int | None = Field(None, ge=0)
+    """DLA core (Orin/Xavier) with GPU fallback; None = GPU only."""
+
+
 class BuildConfig(Section):
     builder: Literal["auto", "python", "trtexec"] = "auto"
-    """`auto`: the TensorRT Python API when it imports and a GPU is present, else `trtexec` on PATH, else skip."""
-    precision: Literal["fp32", "fp16"] = "fp16"
-    """Engine precision (builder flag on TensorRT < 11)."""
+    """`auto`: the TensorRT Python API when it imports and a GPU is present, else `trtexec` on PATH, else skip.
+    Used when `classes` is empty (one engine for this host)."""
+    classes: list[BuildClass] = Field(default_factory=list)
+    """Device classes to build for, one engine each (`[[build.classes]]`); empty = this host's class only."""
+    from_inventory: bool = False
+    """Also probe the devices of deploy.inventory and build one engine per device class found there, on the first
+    device of that class (builder `device`); classes declared in `classes` with the same name win."""
+    cache_dir: Path = Path("artifacts/engine-cache")
+    """Engines and timing caches kept across runs, per class; an engine whose key (ONNX sha256, TensorRT version,
+    class, precision, shapes, builder options) matches is copied in without building."""
+    opt_level: int | None = Field(None, ge=0, le=5)
+    """`--builderOptimizationLevel` (TensorRT >= 8.6; ignored, and noted in build.json, before); None = default."""
+    verify: bool = True
+    """Check every engine built for a class: plan version, load, outputs on onnx/sample.npz, latency."""
+    precision: Literal["fp32", "fp16", "int8"] = "fp16"
+    """Engine precision: builder flags on the fp32 (or, for int8, Q/DQ) ONNX before TensorRT 11; from 11 the
+    matching ONNX variant (onnx/model.fp16.onnx, onnx/model.int8.onnx) is built as it is."""
     workspace_mb: int = Field(1024, ge=16)
     """Builder workspace memory-pool limit."""
     trtexec: str = "trtexec"
     """trtexec executable: a name looked up on PATH or an absolute path."""
     timeout_s: int = Field(1800, ge=10)
     """Limit for one engine build."""
+
+    @model_validator(mode="after")
+    def _unique_classes(self) -> BuildConfig:
+        names = [c.name for c in self.classes]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate build class name(s): {', '.join(dupes)}")
+        return self
 
 
 class LocalTarget(Section):
@@ -134,7 +253,10 @@ class DeployConfig(Section):
     targets: list[LocalTarget] = Field(
         default_factory=lambda: [LocalTarget(name="local", root=Path("artifacts/devices/local"))]
     )
-    """Local targets: directories that stand in for devices. SSH fleets come with the deploy issue."""
+    """Local targets: directories that stand in for devices; used when `inventory` is not set."""
+    inventory: Path | None = None
+    """Fleet inventory TOML ([defaults], [policy], [[targets]]): when set, deploy goes to these devices over SSH
+    (canary, then waves) instead of `targets`; its [policy] sets keep_releases for them."""
     keep_releases: int = Field(3, ge=2)
     """Releases kept on a target; `current` and `previous` are never pruned."""
     health_atol: float = Field(1e-3, gt=0.0)

@@ -9,6 +9,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pipeline import registry
 from pipeline.config import DEFAULT_CONFIG, Config, apply_overrides, load_config, validate
@@ -54,12 +55,12 @@ def existing_run(run_dir: Path) -> RunDir:
     return RunDir(run_dir)
 
 
-def run_one(stage: str, cfg: Config, run: RunDir, log: Callable[[str], None] = print) -> StageResult:
-    """Run a single stage by name."""
+def run_one(stage: str, cfg: Config, run: RunDir, log: Callable[[str], None] = print, **options: Any) -> StageResult:
+    """Run a single stage by name; `options` go to that stage's `run` (e.g. train's `output`)."""
     if stage not in STAGE_MODULES:
         raise PipelineError(f"unknown stage {stage!r} (known: {', '.join(STAGES)})")
     module = importlib.import_module(STAGE_MODULES[stage])
-    return module.run(cfg, run, log=log)
+    return module.run(cfg, run, log=log, **options)
 
 
 Execute = Callable[[str], StageResult]

@@ -18,7 +18,7 @@ def _overrides(tmp_path: Path, epochs: int = 3) -> list[str]:
     ]
 
 
-def test_flow_runs_every_stage_and_deploys(tmp_path: Path):
+def test_flow_runs_every_stage_and_deploys(tmp_path: Path, caplog: pytest.LogCaptureFixture):
     run_dir = tmp_path / "run"
     out = train_to_deploy(run_dir=str(run_dir), overrides=_overrides(tmp_path))
     results = out["stages"]
@@ -35,6 +35,8 @@ def test_flow_runs_every_stage_and_deploys(tmp_path: Path):
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert set(manifest["stages"]) == {"train", "consolidate", "export", "build", "deploy"}
     assert "| train | done |" in (run_dir / "report.md").read_text()
+    # torchrun's own output (the ranks' epoch lines) reached the task's Prefect logs.
+    assert "epoch 1: val_accuracy" in caplog.text
 
 
 def test_flow_fails_when_a_stage_fails(tmp_path: Path):
