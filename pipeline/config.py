@@ -349,16 +349,16 @@ def validate(data: dict[str, Any], origin: str) -> Config:
         raise _first_error(err, origin) from None
 
 
-def read_toml(path: Path) -> dict[str, Any]:
-    """Parse a TOML file into a mapping, turning a missing or malformed file into a one-line error."""
+def read_toml(path: Path, what: str = "config") -> dict[str, Any]:
+    """Parse a TOML file (`what`: config, inventory) into a mapping; a missing or malformed file is one line."""
     try:
         return tomllib.loads(path.read_text())
     except FileNotFoundError:
-        raise PipelineError(f"{path}: config file not found") from None
+        raise PipelineError(f"{path}: {what} file not found") from None
     except tomllib.TOMLDecodeError as err:
         raise PipelineError(f"{path}: invalid TOML: {err}") from None
     except (IsADirectoryError, UnicodeDecodeError) as err:
-        raise PipelineError(f"{path}: cannot read config: {err}") from None
+        raise PipelineError(f"{path}: cannot read {what}: {err}") from None
 
 
 def load_config(path: Path | None = None, overrides: list[str] | None = None) -> Config:

@@ -6,12 +6,12 @@ may start with `~`. Errors name the inventory file, the target and the key, on o
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pipeline.config import read_toml
 from pipeline.deploy.release import safe_name
 from pipeline.errors import PipelineError
 
@@ -126,7 +126,7 @@ DEFAULT_KEYS = TARGET_KEYS - {"name", "host"}
 
 def load_inventory(path: Path) -> Inventory:
     """Read and validate the inventory at `path`; any problem is a one-line PipelineError naming target and key."""
-    data = _read(path)
+    data = read_toml(path, "inventory")
     unknown = sorted(set(data) - {"defaults", "policy", "targets"})
     if unknown:
         raise PipelineError(f"{path}: unknown table [{unknown[0]}] (expected [defaults], [policy], [[targets]])")
@@ -147,17 +147,6 @@ def load_inventory(path: Path) -> Inventory:
     for target in targets:
         _check_files(path, target)
     return inventory
-
-
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        return tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise PipelineError(f"{path}: inventory not found") from None
-    except tomllib.TOMLDecodeError as err:
-        raise PipelineError(f"{path}: invalid TOML: {err}") from None
-    except (IsADirectoryError, UnicodeDecodeError) as err:
-        raise PipelineError(f"{path}: cannot read inventory: {err}") from None
 
 
 def _table(data: dict[str, Any], name: str, path: Path) -> dict[str, Any]:

@@ -22,8 +22,9 @@ from pipeline.deploy import remote
 from pipeline.deploy.inventory import load_inventory
 from pipeline.deploy.local import ACTIVE, deploy_target
 from pipeline.deploy.release import make_plan
+from pipeline.deploy.remote import UNREACHABLE
 from pipeline.deploy.rollout import failed, rollout, rollout_table, waves
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, TransientError
 from pipeline.manifest import RunDir, StageResult, read_json, run_stage, write_json
 
 INPUTS = ["onnx/model.onnx", "onnx/sample.npz", "model/model.json"]
@@ -130,7 +131,10 @@ def _fleet_body(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageRe
         detail = "; ".join(f"{r['target']} ({r['status']}: {r['reason']})" for r in bad if failed(r))
         skipped = sum(1 for r in bad if not failed(r))
         more = f"; {skipped} skipped" if skipped else ""
-        raise PipelineError(f"deploy: {len(bad)} of {len(rows)} targets not active: {detail or 'none failed'}{more}")
+        message = f"deploy: {len(bad)} of {len(rows)} targets not active: {detail or 'none failed'}{more}"
+        # Only unreachable devices may come back on a retry; a refusal or a failed check will fail the same way.
+        transient = all(r["status"] == UNREACHABLE for r in bad if failed(r)) and any(failed(r) for r in bad)
+        raise (TransientError if transient else PipelineError)(message)
     metrics = {"release": releases.id, "active": len(rows), "targets": len(rows)}
     metrics["bytes_sent"] = sum(r["bytes_sent"] for r in rows)
     return StageResult("deploy", "done", outputs={"results": RESULTS, "plan": PLAN}, metrics=metrics)

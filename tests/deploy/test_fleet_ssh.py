@@ -23,7 +23,7 @@ from pipeline.config import Config, DeployConfig
 from pipeline.deploy import remote, ssh_fleet
 from pipeline.deploy.inventory import load_inventory
 from pipeline.deploy.ssh import Device
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, TransientError
 from pipeline.manifest import RunDir, StageResult
 from tests.harness import XAVIER_NX_JP513, JetsonFleet, JetsonTarget, TargetSpec, fixtures, make_plan
 
@@ -152,8 +152,9 @@ def test_engine_for_another_class_and_too_little_space_are_refused(jetson_fleet,
     plain = make_run("run-plain", onnx_models[0])
     a = deploy_ok(cfg, plain)  # ONNX only: every class takes it
     fleet["tiny"].resize_disk("300k")  # the release (~250 kB, no 2x headroom left)
-    with pytest.raises(PipelineError, match="2 of 3 targets not active"):
+    with pytest.raises(PipelineError, match="2 of 3 targets not active") as err:
         deploy.run(cfg, two_runs[0], **QUIET)
+    assert not isinstance(err.value, TransientError)  # a refused host key will not change on a retry
     rows = results(two_runs[0])
     assert rows["orin-01"]["status"] == "ACTIVE"
     assert rows["nx-01"]["status"] == "REFUSED" and rows["nx-01"]["bytes_sent"] == 0
@@ -231,8 +232,9 @@ def test_unreachable_and_unknown_hosts_others_go_on(jetson_fleet, two_runs, tmp_
     fleet = jetson_fleet([TargetSpec("orin-01"), TargetSpec("orin-02"), TargetSpec("stranger", in_known_hosts=False)])
     cfg = fleet_cfg(fleet, policy={"canary": 1, "max_failure_pct": 70})
     fleet["orin-02"].kill()
-    with pytest.raises(PipelineError, match="2 of 3 targets not active"):
+    with pytest.raises(PipelineError, match="2 of 3 targets not active") as err:
         deploy.run(cfg, two_runs[0], **QUIET)
+    assert not isinstance(err.value, TransientError)  # a refused host key will not change on a retry
     rows = results(two_runs[0])
     assert rows["orin-01"]["status"] == "ACTIVE"
     assert rows["orin-02"]["status"] == "UNREACHABLE" and "connect: ConnectionRefusedError" in rows["orin-02"]["reason"]
@@ -400,3 +402,11 @@ def test_disk_filling_up_during_the_upload(jetson_fleet, make_run, onnx_models, 
     with pytest.raises(PipelineError, match=r"UPLOAD_FAILED: upload: SFTPFailure.*\(disk full\?\)"):
         deploy.run(cfg, second, **QUIET)
     assert intact(target, a) and links(target) == (a, "")
+
+
+def test_only_unreachable_devices_make_a_retryable_failure(jetson_fleet, two_runs):
+    fleet = jetson_fleet(2)
+    fleet["orin-02"].kill()
+    with pytest.raises(TransientError, match="UNREACHABLE"):
+        deploy.run(fleet_cfg(fleet, policy={"canary": 1, "max_failure_pct": 60}), two_runs[0], **QUIET)
+    assert results(two_runs[0])["orin-01"]["status"] == "ACTIVE"

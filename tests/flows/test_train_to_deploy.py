@@ -74,3 +74,14 @@ def test_retraining_skips_unchanged_data_and_promotes_only_a_good_enough_model(t
     assert accepted["stopped"] == "" and accepted["stages"]["train"]["status"] == "cached"
     assert accepted["stages"]["deploy"]["status"] == "done"
     assert os.readlink(tmp_path / "device/current") != current
+
+
+def test_retries_only_for_failures_a_retry_can_cure():
+    from prefect.states import Failed
+
+    from flows.train_to_deploy import RETRIES, transient
+    from pipeline.errors import PipelineError, TransientError
+
+    assert transient(None, None, Failed(data=TransientError("orin-02 unreachable")))
+    assert not transient(None, None, Failed(data=PipelineError("int8 accuracy gate failed")))
+    assert set(RETRIES) == {"build", "deploy"}  # training and export are deterministic: never retried
