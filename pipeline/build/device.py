@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
+
+from pipeline import nvidia_smi
 
 _DOTTED = re.compile(r"^(\d+)\.(\d+)$")
 
@@ -22,21 +22,8 @@ def device_class(sm: str | None, trt_version: str | None) -> str:
 
 
 def _nvidia_smi_sm() -> str | None:
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
-    try:
-        out = subprocess.run(
-            [exe, "--query-gpu=compute_cap", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    lines = out.stdout.strip().splitlines()
-    match = _DOTTED.match(lines[0].strip()) if out.returncode == 0 and lines else None
+    values = nvidia_smi.query("compute_cap", timeout_s=20)
+    match = _DOTTED.match(values[0]) if values else None
     return sm_tag(int(match[1]), int(match[2])) if match else None
 
 

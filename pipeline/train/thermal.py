@@ -8,10 +8,10 @@ the one synchronising backward, so ranks need not agree, and no collective is sp
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
+
+from pipeline import nvidia_smi
 
 HYSTERESIS_C = 5.0
 """Degrees below the limit before the micro-batch grows back: keeps it from flapping at the threshold."""
@@ -34,19 +34,9 @@ def _zones() -> float | None:
 
 
 def _nvidia_smi() -> float | None:
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
     try:
-        out = subprocess.run(
-            [exe, "--query-gpu=temperature.gpu", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=True,
-        ).stdout
-        return max(float(x) for x in out.split())
-    except (OSError, subprocess.SubprocessError, ValueError):
+        return max((float(v) for v in nvidia_smi.query("temperature.gpu", timeout_s=5)), default=None)
+    except ValueError:
         return None
 
 
