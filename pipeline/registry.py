@@ -56,7 +56,8 @@ def list_runs(root: Path) -> list[RunRecord]:
 
 def champion(root: Path, exclude: Path | None = None) -> RunRecord | None:
     """The newest run that was deployed everywhere: the model the fleet runs now."""
-    return next((r for r in list_runs(root) if r.deployed and r.path != exclude), None)
+    skip = exclude.resolve() if exclude else None  # runs_root may be relative: compare where paths really lead
+    return next((r for r in list_runs(root) if r.deployed and r.path.resolve() != skip), None)
 
 
 def trained_with(root: Path, train_digest: str, fingerprints: dict[str, str]) -> RunRecord | None:

@@ -1,5 +1,6 @@
 """The run registry: champion lookup, unchanged-data detection and the promotion gate."""
 
+import os
 from pathlib import Path
 
 from pipeline.config import load_config
@@ -28,6 +29,9 @@ def test_champion_is_the_newest_deployed_run(tmp_path: Path):
     ]
     best = champion(tmp_path)
     assert best is not None and best.run_id == "20260102-000000-bbbb" and best.val_accuracy == 0.95
+    # A run re-checking itself is not its own champion, however its path is spelled.
+    relative = Path(os.path.relpath(tmp_path / "20260102-000000-bbbb"))
+    assert champion(tmp_path, exclude=relative).run_id == "20260101-000000-aaaa"
 
 
 def test_corrupt_manifest_is_skipped(tmp_path: Path):
