@@ -74,12 +74,23 @@ def intact(target: JetsonTarget, release: str) -> bool:
 
 
 @pytest.fixture
-def two_runs(make_run: MakeRun, onnx_models: list[Path]) -> tuple[RunDir, RunDir]:
-    """A good first release and a second one (other model), both with an Orin engine."""
-    first, second = make_run("run-a", onnx_models[0]), make_run("run-b", onnx_models[1])
-    record_engine(first)
-    record_engine(second)
-    return first, second
+def make_two_runs(make_run: MakeRun, onnx_models: list[Path]) -> Callable[..., tuple[RunDir, RunDir]]:
+    """make_two_runs(size=4096): a good first release and a second one (other model), both with an Orin engine;
+    the second's engine has `size` bytes (big ones let a test interrupt its upload)."""
+
+    def make(size: int = 4096) -> tuple[RunDir, RunDir]:
+        first, second = make_run("run-a", onnx_models[0]), make_run("run-b", onnx_models[1])
+        record_engine(first)
+        record_engine(second, size=size)
+        return first, second
+
+    return make
+
+
+@pytest.fixture
+def two_runs(make_two_runs: Callable[..., tuple[RunDir, RunDir]]) -> tuple[RunDir, RunDir]:
+    """Two releases with small engines."""
+    return make_two_runs()
 
 
 def deploy_ok(cfg: Config, run: RunDir) -> str:
@@ -272,13 +283,11 @@ def test_failing_canary_touches_nothing_else(jetson_fleet, two_runs):
     assert fleet["orin-01"].standins.calls() == [] and fleet["orin-03"].standins.calls() == []
 
 
-def test_connection_killed_mid_upload_then_resumed(jetson_fleet, make_run, onnx_models):
+def test_connection_killed_mid_upload_then_resumed(jetson_fleet, make_two_runs):
     fleet = jetson_fleet([TargetSpec("orin-01", disk_size="200m")])
     target = fleet["orin-01"]
     cfg = fleet_cfg(fleet)
-    first, second = make_run("run-a", onnx_models[0]), make_run("run-b", onnx_models[1])
-    record_engine(first)
-    record_engine(second, size=40_000_000)
+    first, second = make_two_runs(size=40_000_000)
     a = deploy_ok(cfg, first)
 
     def kill_during_upload() -> None:
@@ -342,15 +351,13 @@ def test_cli_plan_run_status_rollback_with_an_inventory(jetson_fleet, two_runs, 
 
 
 @pytest.mark.slow
-def test_link_cut_mid_upload_on_a_shaped_link(jetson_fleet, make_run, onnx_models):
+def test_link_cut_mid_upload_on_a_shaped_link(jetson_fleet, make_two_runs):
     """A pulled cable (no RST, packets dropped) is noticed by keepalives; the device stays on its release."""
     fleet = jetson_fleet([TargetSpec("link-01", network=True)])
     target = fleet["link-01"]
     assert target.link is not None
     cfg = fleet_cfg(fleet)
-    first, second = make_run("run-a", onnx_models[0]), make_run("run-b", onnx_models[1])
-    record_engine(first)
-    record_engine(second, size=8_000_000)
+    first, second = make_two_runs(size=8_000_000)
     a = deploy_ok(cfg, first)
     target.link.shape("16mbit")  # 8 MB takes ~4 s
 
@@ -389,14 +396,12 @@ def test_remote_commands_end_on_the_device_at_their_timeout(jetson_fleet):
     assert fleet["orin-01"].run("pgrep -x sleep", check=False).returncode == 1  # nothing left running there
 
 
-def test_disk_filling_up_during_the_upload(jetson_fleet, make_run, onnx_models, monkeypatch):
+def test_disk_filling_up_during_the_upload(jetson_fleet, make_two_runs, monkeypatch):
     """The space check passed, then the disk filled anyway (another writer): UPLOAD_FAILED, previous release kept."""
     fleet = jetson_fleet([TargetSpec("orin-01", disk_size="2m")])
     target = fleet["orin-01"]
     cfg = fleet_cfg(fleet)
-    first, second = make_run("run-a", onnx_models[0]), make_run("run-b", onnx_models[1])
-    record_engine(first)
-    record_engine(second, size=1_900_000)
+    first, second = make_two_runs(size=1_900_000)
     a = deploy_ok(cfg, first)
     monkeypatch.setattr(remote, "_refuse_space", lambda release, facts: None)
     with pytest.raises(PipelineError, match=r"UPLOAD_FAILED: upload: SFTPFailure.*\(disk full\?\)"):
