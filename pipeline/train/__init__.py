@@ -52,14 +52,19 @@ def run(
 ) -> StageResult:
     """Train (or resume training) into `run`'s train/ directory; cached when data, model and config are unchanged.
 
-    The keyword arguments place this node in a multi-node job (see :func:`launcher.launch`). Only node 0 holds
-    the outputs: other nodes report "done" with none, and are never cached, since they must join every run.
+    The keyword arguments place this node in a multi-node job (see :func:`launcher.launch`); every node must see
+    `run` on a shared filesystem, since each rank writes its checkpoint shard there and c10d may place global rank 0,
+    which writes the metrics and the summary, on any node. Only the node started with `node_rank` 0 records the
+    stage in the manifest: the others return "done" with no outputs, and are never cached, since they must join
+    every run.
     """
+    if node_rank != 0:
+        launch(cfg, run.path, nnodes, node_rank, rdzv_endpoint, nproc_per_node, output)
+        log(f"[{STAGE}] done: node {node_rank} of {nnodes}; node 0 records the run")
+        return StageResult(STAGE, "done", reason=f"node {node_rank} of {nnodes}: node 0 records the run")
 
     def body() -> StageResult:
         launch(cfg, run.path, nnodes, node_rank, rdzv_endpoint, nproc_per_node, output)
-        if node_rank != 0:
-            return StageResult(STAGE, "done", reason=f"node {node_rank} of {nnodes}: node 0 holds the outputs")
         summary = read_json(run.path / layout.SUMMARY)
         return StageResult(STAGE, "done", dict(OUTPUTS), {k: summary[k] for k in SUMMARY_METRICS})
 

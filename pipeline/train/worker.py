@@ -281,6 +281,8 @@ def train(run_dir: Path) -> None:
         summary = Trainer(cfg, run_dir, rt).fit()
         if rt.is_main:
             write_json(run_dir / layout.SUMMARY, {**summary, "seconds": round(time.perf_counter() - started, 3)})
+        # No node's torchrun may exit before the summary exists: c10d can put rank 0 on a node other than node 0.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
