@@ -8,7 +8,8 @@ Layout, which the consolidate stage reads::
                                   the position in an unfinished epoch, the gradient scaler's state)
     train/checkpoints/latest      relative symlink -> step-<N>, repointed only once step-<N> is complete
 
-Every rank calls :func:`save` and :func:`load` (they are collectives); only rank 0 touches the pointer and prunes.
+Every rank calls :meth:`Checkpointer.save` and :func:`load` (they are collectives); only rank 0 touches the pointer
+and prunes.
 On several nodes, ``checkpoints/`` must be on a filesystem they share: each rank writes its own shard.
 """
 
@@ -17,6 +18,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import sys
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -93,24 +96,78 @@ def _state(model: nn.Module, optim: Optimizer) -> dict[str, Any]:
     return {"model": model_sd, "optim": optim_sd}
 
 
-def save(root: Path, model: nn.Module, optim: Optimizer, meta: dict[str, Any], keep: int) -> Path:
-    """Write `step-<meta["step"]>/` on all ranks, then (rank 0) trainer.json, repoint `latest`, prune to `keep`."""
-    target = root / f"step-{meta['step']}"
-    if dist.get_rank() == 0:
-        # A crash after a previous save of this step (resumed from an older one) leaves stale shards behind.
-        assert latest(root) != target.resolve(), f"{target} is the live checkpoint"
-        shutil.rmtree(target, ignore_errors=True)
-    dist.barrier()
-    # dcp.save returns on rank 0 only after every rank's shard is written and the metadata is saved.
-    dcp.save(_state(model, optim), checkpoint_id=target)
-    torch.save(torch.get_rng_state(), target / f"rng-{dist.get_rank()}.pt")
-    dist.barrier()  # every rank's RNG file is on disk before the checkpoint is declared complete
-    if dist.get_rank() == 0:
-        write_json(target / TRAINER_JSON, meta)
-        _point_latest(root, target.name)
-        prune(root, keep)
-    dist.barrier()
-    return target
+class Checkpointer:
+    """Writes this rank's checkpoints, in the foreground or in the background, with at most one save in flight.
+
+    In the background (`asynchronous`), :meth:`save` copies the state to CPU memory and returns while a thread
+    writes it with ``dcp.async_save`` over a gloo group of its own: on the default group its collectives would
+    interleave with training's and deadlock (NOTES.md). Rank 0 alone commits a save (trainer.json, `latest`,
+    pruning) once its own write has completed, which DCP makes happen only after every rank's shard is written;
+    each rank's RNG file is written before its write starts. Every rank calls :meth:`save` and :meth:`wait` at the
+    same points; :meth:`poll` (each step) and :meth:`settle` (on the way out after an error) are local.
+    """
+
+    def __init__(self, root: Path, keep: int, asynchronous: bool) -> None:
+        self.root, self.keep = root, keep
+        self.group = dist.new_group(backend="gloo") if asynchronous else None
+        self._pending: tuple[Future[Any], Path, dict[str, Any]] | None = None
+
+    def save(self, model: nn.Module, optim: Optimizer, meta: dict[str, Any]) -> Path:
+        """Checkpoint step `meta["step"]` into `step-<N>/` on all ranks; returns before it is written when
+        asynchronous, after it is committed otherwise."""
+        self.wait()  # the previous save is committed before the next one starts
+        target = self.root / f"step-{meta['step']}"
+        if dist.get_rank() == 0:
+            # A crash after a previous save of this step (resumed from an older one) leaves stale shards behind.
+            assert latest(self.root) != target.resolve(), f"{target} is the live checkpoint"
+            shutil.rmtree(target, ignore_errors=True)
+        dist.barrier()
+        target.mkdir(parents=True, exist_ok=True)
+        torch.save(torch.get_rng_state(), target / f"rng-{dist.get_rank()}.pt")
+        state = _state(model, optim)
+        if self.group is None:
+            written: Future[Any] = Future()
+            written.set_result(dcp.save(state, checkpoint_id=target))
+        else:
+            written = dcp.async_save(state, checkpoint_id=target, process_group=self.group)
+        self._pending = (written, target, meta)
+        if self.group is None:
+            self.wait()
+        return target
+
+    def poll(self) -> None:
+        """Commit the save in flight if its write has completed (a no-op but on rank 0); never blocks."""
+        if self._pending is not None and self._pending[0].done():
+            self._commit_pending()
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is written and committed; raises if writing it failed."""
+        if self._pending is not None:
+            self._commit_pending()
+        dist.barrier()  # no rank reads `latest` before rank 0 has moved it
+
+    def settle(self, timeout_s: float) -> None:
+        """After an error: give the save in flight up to `timeout_s` to finish and commit it if it did. No
+        collectives (peers may be gone) and no exceptions: `latest` then stays on the last committed save."""
+        if self._pending is None:
+            return
+        written, target, _ = self._pending
+        try:
+            written.result(timeout=timeout_s)
+            self._commit_pending()
+        except Exception as err:
+            self._pending = None
+            print(f"rank {dist.get_rank()}: {target.name} not committed: {err!r}", file=sys.stderr)
+
+    def _commit_pending(self) -> None:
+        assert self._pending is not None
+        written, target, meta = self._pending
+        self._pending = None
+        written.result()
+        if dist.get_rank() == 0:
+            write_json(target / TRAINER_JSON, meta)
+            _point_latest(self.root, target.name)
+            prune(self.root, self.keep)
 
 
 def load(step_dir: Path, model: nn.Module, optim: Optimizer) -> dict[str, Any]:

@@ -33,6 +33,8 @@ from pipeline.train.metrics import MetricsLog
 from pipeline.train.runtime import Runtime
 
 VAL_BATCH = 256
+SETTLE_S = 30.0
+"""Seconds a failing rank waits for its checkpoint write in flight, so that a finished one is still committed."""
 
 
 def cosine_lr(peak: float, step: int, total: int) -> float:
@@ -96,6 +98,9 @@ class Trainer:
         self.steps_per_epoch = len(self.train_loader)
         self.total_steps = cfg.train.epochs * self.steps_per_epoch
         self.ckpt_root = run_dir / layout.CHECKPOINTS
+        self.checkpointer = checkpoint.Checkpointer(
+            self.ckpt_root, cfg.train.keep_checkpoints, asynchronous=cfg.train.checkpoint_async
+        )
         self.samples = 0
         self.train_seconds = 0.0
 
@@ -119,7 +124,7 @@ class Trainer:
         meta |= {"next_batch": next_batch, "scaler": self.scaler.state_dict()}
         meta["resume_key"] = checkpoint.resume_key(self.cfg)
         strategy.sync_buffers(self.model)  # DCP saves one rank's copy of replicated buffers: make them all rank 0's
-        checkpoint.save(self.ckpt_root, self.model, self.optim, meta, self.cfg.train.keep_checkpoints)
+        self.checkpointer.save(self.model, self.optim, meta)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, lr: float) -> float:
         """One optimizer step; on out-of-memory, retried with half the micro-batch while it can shrink."""
@@ -201,6 +206,7 @@ class Trainer:
                 row |= {"temperature_c": self.thermal.last_c, "batch_event": self.event}
                 log.write({**row, "samples_per_s": samples / seconds})
             bar.set_postfix(loss=f"{loss:.3f}", refresh=False)  # the bar redraws at its own pace
+            self.checkpointer.poll()
             if every and step % every == 0 and index < self.steps_per_epoch:  # the epoch's end saves anyway
                 self.save(epoch, step, next_batch=index)
         return step
@@ -253,6 +259,10 @@ class Trainer:
             for epoch in range(start_epoch, self.cfg.train.epochs):
                 step = self.train_epoch(epoch, step, log, skip if epoch == start_epoch else 0)
                 accuracy = self.end_epoch(epoch, step, log)
+            self.checkpointer.wait()
+        except BaseException:
+            self.checkpointer.settle(SETTLE_S)
+            raise
         finally:
             if log is not None:
                 log.close()

@@ -82,14 +82,15 @@ def test_a_killed_rank_restarts_the_group_which_resumes_and_ends_like_an_uninter
     assert checkpoint.latest(run.path / layout.CHECKPOINTS) is not None
 
 
-def _tiny() -> Config:
+def _tiny(asynchronous: bool) -> Config:
     """Two epochs of 3 steps each: the second epoch's save is the one that dies."""
-    return validate({"train": {"epochs": 2, "batch_size": 128}, "data": {"val_fraction": 0.85}}, "test")
+    train = {"epochs": 2, "batch_size": 128, "checkpoint_async": asynchronous}
+    return validate({"train": train, "data": {"val_fraction": 0.85}}, "test")
 
 
-def _die_in_second_save(root: Path) -> None:
+def _die_in_second_save(root: Path, asynchronous: bool) -> None:
     """Rank 0 exits hard (no cleanup, like SIGKILL) in its second save: after the shards, before `latest` moves."""
-    rt = runtime.init(_tiny().train)
+    rt = runtime.init(_tiny(asynchronous).train)
     real, calls = checkpoint.write_json, [0]
 
     def dying(path: Path, data: Any) -> None:
@@ -99,17 +100,20 @@ def _die_in_second_save(root: Path) -> None:
         real(path, data)
 
     checkpoint.write_json = dying
-    Trainer(_tiny(), root, rt).fit()
+    Trainer(_tiny(asynchronous), root, rt).fit()
 
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-def test_a_kill_during_a_save_leaves_latest_on_the_previous_complete_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("asynchronous", [True, False], ids=["async", "sync"])
+def test_a_kill_during_a_save_leaves_latest_on_the_previous_complete_checkpoint(
+    tmp_path: Path, asynchronous: bool
+) -> None:
     with pytest.raises((ProcessExitedException, ProcessRaisedException)):
-        run_ranks(_die_in_second_save, tmp_path)
+        run_ranks(_die_in_second_save, tmp_path, asynchronous)
     root = tmp_path / layout.CHECKPOINTS
     assert (root / "step-6").is_dir() and not (root / "step-6" / checkpoint.TRAINER_JSON).exists()
-    found = checkpoint.resumable(root, _tiny())
+    found = checkpoint.resumable(root, _tiny(asynchronous))
     assert found == (root / "step-3").resolve()
     model = models.build_model("small_cnn", 10, 1)
     state = {"model": model.state_dict()}
