@@ -88,6 +88,9 @@ def train(
     nnodes: Annotated[int, typer.Option(help="Nodes taking part (multi-node: start this command on each).")] = 1,
     node_rank: Annotated[int, typer.Option(help="This node's rank, 0..nnodes-1.")] = 0,
     rdzv_endpoint: Annotated[str | None, typer.Option(help="HOST:PORT of the c10d rendezvous (node 0).")] = None,
+    local_addr: Annotated[
+        str | None, typer.Option(help="This node's address as the others reach it (default: from its hostname).")
+    ] = None,
 ) -> None:
     """Distributed training with torchrun; writes train/ in the run directory."""
     from pipeline.train import run as train_stage
@@ -101,6 +104,7 @@ def train(
         nnodes=nnodes,
         node_rank=node_rank,
         rdzv_endpoint=rdzv_endpoint,
+        local_addr=local_addr,
     )
 
 

@@ -49,6 +49,7 @@ def run(
     rdzv_endpoint: str | None = None,
     nproc_per_node: int | None = None,
     output: Callable[[str], None] | None = None,
+    local_addr: str | None = None,
 ) -> StageResult:
     """Train (or resume training) into `run`'s train/ directory; cached when data, model and config are unchanged.
 
@@ -59,12 +60,12 @@ def run(
     every run.
     """
     if node_rank != 0:
-        launch(cfg, run.path, nnodes, node_rank, rdzv_endpoint, nproc_per_node, output)
+        launch(cfg, run.path, nnodes, node_rank, rdzv_endpoint, nproc_per_node, output, local_addr)
         log(f"[{STAGE}] done: node {node_rank} of {nnodes}; node 0 records the run")
         return StageResult(STAGE, "done", reason=f"node {node_rank} of {nnodes}: node 0 records the run")
 
     def body() -> StageResult:
-        launch(cfg, run.path, nnodes, node_rank, rdzv_endpoint, nproc_per_node, output)
+        launch(cfg, run.path, nnodes, node_rank, rdzv_endpoint, nproc_per_node, output, local_addr)
         summary = read_json(run.path / layout.SUMMARY)
         return StageResult(STAGE, "done", dict(OUTPUTS), {k: summary[k] for k in SUMMARY_METRICS})
 

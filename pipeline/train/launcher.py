@@ -29,9 +29,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def command(
-    run_dir: Path, nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str, max_restarts: int = 0
+    run_dir: Path,
+    nproc_per_node: int,
+    nnodes: int,
+    node_rank: int,
+    rdzv_endpoint: str,
+    max_restarts: int = 0,
+    local_addr: str | None = None,
 ) -> list[str]:
     """The torchrun command line that starts this node's ranks of `pipeline.train.worker`."""
+    # torchrun otherwise advertises the address its hostname resolves to, wrong on hosts with several interfaces.
+    local = ["--local-addr", local_addr] if local_addr else []
     return [
         sys.executable,
         "-m",
@@ -48,6 +56,7 @@ def command(
         rdzv_endpoint,
         "--max-restarts",
         str(max_restarts),
+        *local,
         "-m",
         "pipeline.train.worker",
         "--run-dir",
@@ -104,11 +113,13 @@ def launch(
     rdzv_endpoint: str | None = None,
     nproc_per_node: int | None = None,
     output: Callable[[str], None] | None = None,
+    local_addr: str | None = None,
 ) -> None:
     """Run torchrun for this node and wait for it, within `train.timeout_s`.
 
     Single node by default, with a rendezvous on a free loopback port. Several nodes: call this on each with the
-    same `nnodes` and `rdzv_endpoint` (host:port of one of them) and its own `node_rank`. Output is inherited, so
+    same `nnodes` and `rdzv_endpoint` (host:port of one of them) and its own `node_rank`, and `local_addr` (the
+    address the other nodes reach this one at) where the hostname does not resolve to it. Output is inherited, so
     rank 0's progress bar shows live, unless `output` takes it line by line (a Prefect task's logger).
     Raises PipelineError on a non-zero exit or a timeout; torchrun and all
     its ranks are stopped on every way out, Ctrl-C included.
@@ -120,7 +131,7 @@ def launch(
     checkpoint.resumable(run_dir / layout.CHECKPOINTS, cfg)  # refuse a foreign checkpoint before touching anything
     _sync_snapshot(cfg, run_dir)
     endpoint = rdzv_endpoint or f"127.0.0.1:{free_port()}"
-    cmd = command(run_dir, nproc, nnodes, node_rank, endpoint, cfg.train.max_restarts)
+    cmd = command(run_dir, nproc, nnodes, node_rank, endpoint, cfg.train.max_restarts, local_addr)
     env = environment(cfg.train)
     if output is not None:
         env["TQDM_MININTERVAL"] = "30"  # a log line per bar redraw: keep redraws rare when output is logged

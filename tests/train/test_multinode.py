@@ -18,7 +18,12 @@ def test_two_nodes_train_one_job_into_a_shared_run_dir_and_node_zero_records_it(
     node = [sys.executable, "-m", "pipeline", "train", "--run-dir", str(run_dir), "--set", "train.epochs=1"]
     node += ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
     procs = [
-        subprocess.Popen([*node, "--node-rank", str(rank)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [*node, "--node-rank", str(rank), "--local-addr", "127.0.0.1"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for rank in (0, 1)
     ]
     outputs = [proc.communicate(timeout=300)[0] for proc in procs]
