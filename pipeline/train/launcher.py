@@ -38,8 +38,12 @@ def command(
     local_addr: str | None = None,
 ) -> list[str]:
     """The torchrun command line that starts this node's ranks of `pipeline.train.worker`."""
-    # torchrun otherwise advertises the address its hostname resolves to, wrong on hosts with several interfaces.
-    local = ["--local-addr", local_addr] if local_addr else []
+    local = []
+    if local_addr:
+        # torchrun otherwise advertises the address its hostname resolves to, wrong on hosts with several
+        # interfaces, and guesses from the hostname whether it hosts the rendezvous store: say both outright.
+        hosting = rdzv_endpoint.rsplit(":", 1)[0] == local_addr
+        local = ["--local-addr", local_addr, "--rdzv-conf", f"is_host={int(hosting)}"]
     return [
         sys.executable,
         "-m",

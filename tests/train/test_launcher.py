@@ -29,6 +29,9 @@ def test_command_runs_the_worker_module_under_torchrun() -> None:
     assert "--local-addr" not in cmd  # torchrun then looks the address up from the hostname
     with_addr = launcher.command(Path("/runs/r1"), 1, 2, 1, "10.0.0.1:29500", local_addr="10.0.0.2")
     assert with_addr[with_addr.index("--local-addr") + 1] == "10.0.0.2"
+    assert with_addr[with_addr.index("--rdzv-conf") + 1] == "is_host=0"
+    hosting = launcher.command(Path("/runs/r1"), 1, 2, 0, "10.0.0.1:29500", local_addr="10.0.0.1")
+    assert hosting[hosting.index("--rdzv-conf") + 1] == "is_host=1"  # the endpoint is this node: it hosts
 
 
 def test_environment_pins_threads_and_store_behaviour() -> None:

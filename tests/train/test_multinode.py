@@ -19,7 +19,7 @@ def test_two_nodes_train_one_job_into_a_shared_run_dir_and_node_zero_records_it(
     node += ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
     procs = [
         subprocess.Popen(
-            [*node, "--node-rank", str(rank), "--local-addr", "127.0.0.1"],
+            [*node, "--node-rank", str(rank)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
