@@ -97,6 +97,29 @@ def _check_heat(root: Path, rt: runtime.Runtime) -> None:
     Trainer(cfg, root / "hot", rt).fit()
 
 
+OOM_ABOVE = 16
+"""Micro-batch size above which the model below raises CUDA's out-of-memory error."""
+
+
+class _OutOfMemoryAbove(Trainer):
+    """Stands in for a GPU too small for training's micro-batch: a training forward raises torch.OutOfMemoryError
+    above OOM_ABOVE images (validation, which keeps no activations for a backward pass, fits)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+
+        def check(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+            if module.training and len(inputs[0]) > OOM_ABOVE:
+                raise torch.OutOfMemoryError(f"CUDA out of memory: stand-in for {len(inputs[0])} images")
+
+        strategy.unwrap(self.model).register_forward_pre_hook(check)
+
+
+def _check_oom(root: Path, rt: runtime.Runtime) -> None:
+    """Train the "ddp" case on a model that cannot take more than OOM_ABOVE images at once."""
+    _OutOfMemoryAbove(CASES["ddp"], root / "oom", rt).fit()
+
+
 def _check_initial_weights(root: Path, rt: runtime.Runtime) -> None:
     """Record each rank's full initial FSDP weights, and whether ranks seeded apart are caught."""
     trainer = Trainer(CASES["fsdp"], root / "weights-probe", rt)
@@ -119,7 +142,9 @@ def train_cases(root: Path, fast: bool) -> None:
     "fsdp-resumed" continues the "fsdp" run for a second epoch."""
     rt = runtime.init(CASES["ddp"].train)
     try:
-        if not fast:
+        if fast:
+            _check_oom(root, rt)
+        else:
             _check_initial_weights(root, rt)
             _check_mid_epoch_resume(root, rt)
             _check_heat(root, rt)
@@ -272,6 +297,18 @@ def test_a_run_stopped_mid_epoch_resumes_from_its_step_checkpoint_as_if_never_st
     kept = sorted(p.name for p in (runs / "resumed" / layout.CHECKPOINTS).glob("step-*"))
     assert kept == ["step-20", "step-24"]
     assert sorted(p.name for p in (runs / "resumed" / layout.LATEST).glob("rng-*.pt")) == ["rng-0.pt", "rng-1.pt"]
+
+
+def test_out_of_memory_halves_the_micro_batch_and_retries_the_step(runs: Path) -> None:
+    oom, full = [json.loads(x) for x in (runs / "oom" / layout.METRICS).read_text().splitlines()], _steps(runs, "ddp")
+    steps = [r for r in oom if "step" in r]
+    assert [r["step"] for r in steps] == [r["step"] for r in full]  # no step lost
+    assert {r["accumulation"] for r in steps} == {4}  # 64 per rank -> 32 -> 16
+    assert steps[0]["batch_event"] == "out of memory: accumulation 4" and not any(r["batch_event"] for r in steps[1:])
+    assert [r["batch"] for r in steps] == [r["batch"] for r in full]
+    assert [r["comm_bytes"] for r in steps] == [r["comm_bytes"] for r in full]  # still one sync per step
+    for a, b in zip(steps, full, strict=True):  # BatchNorm sees quarter batches: close, not equal
+        assert a["loss"] == pytest.approx(b["loss"], rel=0.05)
 
 
 @pytest.mark.slow
