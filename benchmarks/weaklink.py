@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ADDRESSES = ("10.214.0.1", "10.214.0.2")  # a /30 on no host interface (10.213/16 is another harness's)
 MACS = ("02:00:0a:d6:00:01", "02:00:0a:d6:00:02")  # fixed, so a shim knows its peer's MAC without asking
@@ -224,31 +225,41 @@ def client(mode: str, port: int, seconds: float) -> None:
     print(json.dumps({"bytes": total, "seconds": time.monotonic() - start}))  # request to last byte: +1 RTT
 
 
-def check(rate: str, delay_ms: float, mtu: int, seconds: float, port: int = 5201) -> None:
-    """Build the link, measure RTT and bulk throughput both ways between A and B, print them, tear it down."""
+def measure(link: WeakLink, seconds: float, port: int = 5201) -> dict[str, Any]:
+    """RTTs (ms) of 64-byte exchanges and bulk throughput (Mbit/s) both ways between A and B, shim CPU (share of a
+    core) during the bulk runs, and tbf's counters at both ends (proof that the traffic crossed it)."""
     me = [sys.executable, os.path.abspath(__file__)]
+    server = subprocess.Popen(link.argv(1, [*me, "serve", str(port)]), stdout=subprocess.PIPE, text=True)
+    try:
+        if server.stdout.readline() != "ready\n":  # type: ignore[union-attr]
+            raise RuntimeError("test server in B did not start")
+
+        def client(mode: str) -> dict[str, Any]:
+            return json.loads(_run(*link.argv(0, [*me, "client", mode, str(port), str(seconds)])))
+
+        rtt = client("e")["rtt_ms"]
+        cpu_before, start = link.shim_cpu(), time.monotonic()
+        up, down = client("u"), client("d")
+        cpu = [(b - a) / (time.monotonic() - start) for a, b in zip(cpu_before, link.shim_cpu(), strict=True)]
+        # tbf's counters ("Sent N bytes M pkt (dropped D, ...")
+        tbf = [_run("tc", "-s", "-n", ns, "qdisc", "show", "dev", "eth0").split("\n")[1] for ns in link.namespaces]
+    finally:
+        server.kill()
+        server.wait()
+    mbit = [r["bytes"] * 8 / r["seconds"] / 1e6 for r in (up, down)]
+    return {"rtt_ms": rtt, "a_to_b_mbit": mbit[0], "b_to_a_mbit": mbit[1], "shim_cpu": cpu, "tbf": tbf}
+
+
+def check(rate: str, delay_ms: float, mtu: int, seconds: float) -> None:
+    """Build the link, measure it, print the numbers, tear it down."""
     with WeakLink(rate, delay_ms, mtu=mtu) as link:
-        server = subprocess.Popen(link.argv(1, [*me, "serve", str(port)]), stdout=subprocess.PIPE, text=True)
-        try:
-            if server.stdout.readline() != "ready\n":  # type: ignore[union-attr]
-                raise RuntimeError("test server in B did not start")
-            run = lambda mode: json.loads(_run(*link.argv(0, [*me, "client", mode, str(port), str(seconds)])))  # noqa: E731
-            rtt = run("e")["rtt_ms"]
-            cpu_before, start = link.shim_cpu(), time.monotonic()
-            up, down = run("u"), run("d")
-            cpu = [(b - a) / (time.monotonic() - start) for a, b in zip(cpu_before, link.shim_cpu(), strict=True)]
-            # tbf's counters ("Sent N bytes M pkt (dropped D, ..."): proof that the traffic crossed it
-            tbf = [_run("tc", "-s", "-n", ns, "qdisc", "show", "dev", "eth0").split("\n")[1] for ns in link.namespaces]
-        finally:
-            server.kill()
-            server.wait()
+        m = measure(link, seconds)
+    rtt = m["rtt_ms"]
     print(f"weaklink: {rate}, {delay_ms:g} ms each way, MTU {mtu}, {ADDRESSES[0]} (A) <-> {ADDRESSES[1]} (B)")
     print(f"  RTT     median {statistics.median(rtt):.2f} ms of {len(rtt)} (min {min(rtt):.2f}, max {max(rtt):.2f})")
-    for name, r in (("A -> B", up), ("B -> A", down)):
-        mbit = r["bytes"] * 8 / r["seconds"] / 1e6
-        print(f"  {name}  {mbit:.1f} Mbit/s ({r['bytes'] / 1e6:.0f} MB in {r['seconds']:.2f} s)")
-    print(f"  shim CPU in the bulk runs: A {cpu[0]:.1%}, B {cpu[1]:.1%} of a core")
-    print(f"  tbf A: {tbf[0].strip()}\n  tbf B: {tbf[1].strip()}")
+    print(f"  A -> B  {m['a_to_b_mbit']:.1f} Mbit/s\n  B -> A  {m['b_to_a_mbit']:.1f} Mbit/s")
+    print(f"  shim CPU in the bulk runs: A {m['shim_cpu'][0]:.1%}, B {m['shim_cpu'][1]:.1%} of a core")
+    print(f"  tbf A: {m['tbf'][0].strip()}\n  tbf B: {m['tbf'][1].strip()}")
 
 
 def main(argv: list[str] | None = None) -> int:
