@@ -27,6 +27,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pipeline.config import TrainConfig
 
+BLOCKING = ("powersgd", "topk", "sign")
+"""Methods whose hook finishes its collectives before it returns: their round trips overlap nothing, so each extra
+DDP bucket costs a few more of them per step (on a 40 ms link, PowerSGD in 3 buckets took twice as long as in one)."""
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 HookFactory = Callable[[TrainConfig, dist.ProcessGroup | None, "CommCounter"], tuple[Any, CommHook]]
 _BIT_SHIFTS = torch.arange(7, -1, -1, dtype=torch.uint8)

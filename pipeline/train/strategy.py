@@ -168,7 +168,10 @@ def wrap(model: nn.Module, cfg: TrainConfig, rt: Runtime, name: str = "ddp") -> 
         fully_shard(model, mesh=mesh, mp_policy=policy)
         return model, _FixedPayload(payload)
     device_ids = [rt.device.index] if rt.device.type == "cuda" else None
-    ddp = DistributedDataParallel(model, device_ids=device_ids)
+    # One bucket for the blocking methods; DDP's default 25 MiB buckets let plain all-reduces overlap the backward.
+    blocking = cfg.compression in compression.BLOCKING
+    one_bucket = math.ceil(_nbytes(list(model.parameters())) / 2**20) + 1 if blocking else None
+    ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=one_bucket)
     return ddp, compression.install(ddp, cfg)
 
 
