@@ -59,13 +59,17 @@ def run(
     stage in the manifest: the others return "done" with no outputs, and are never cached, since they must join
     every run.
     """
-    if node_rank != 0:
+
+    def train_here() -> None:
         launch(cfg, run.path, nnodes, node_rank, rdzv_endpoint, nproc_per_node, output, local_addr)
+
+    if node_rank != 0:
+        train_here()
         log(f"[{STAGE}] done: node {node_rank} of {nnodes}; node 0 records the run")
         return StageResult(STAGE, "done", reason=f"node {node_rank} of {nnodes}: node 0 records the run")
 
     def body() -> StageResult:
-        launch(cfg, run.path, nnodes, node_rank, rdzv_endpoint, nproc_per_node, output, local_addr)
+        train_here()
         summary = read_json(run.path / layout.SUMMARY)
         return StageResult(STAGE, "done", dict(OUTPUTS), {k: summary[k] for k in SUMMARY_METRICS})
 
