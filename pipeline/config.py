@@ -130,10 +130,12 @@ class TrainConfig(Section):
     """Process-group backend; `auto` is nccl when CUDA is present, gloo otherwise."""
     threads_per_rank: int = Field(1, ge=1)
     """torch intra-op threads per CPU rank; keeps 2 ranks from fighting over 2 cores."""
-    checkpoint_async: bool = True
+    checkpoint_async: bool | None = None
     """Write checkpoints in the background (DCP `async_save` on a gloo group of its own) while training goes on;
-    `latest` moves only once a write has completed. Costs a CPU copy of each rank's model and optimizer state
-    while it is written: turn it off where host memory is short."""
+    `latest` moves only once a write has completed. Unset: in the background when training on CUDA (the copy to
+    host memory frees the GPU, and the write runs on host cores training leaves idle), in the foreground on CPU
+    (the ranks already use every core: a writer thread slows the steps by more than the save it hides). A
+    background save holds a CPU copy of each rank's model and optimizer state: turn it off where memory is short."""
     keep_checkpoints: int = Field(2, ge=1)
     """Newest epoch checkpoints kept on disk; older ones are deleted once a newer one is complete."""
     timeout_s: int = Field(3600, ge=10)

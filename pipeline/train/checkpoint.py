@@ -96,6 +96,16 @@ def _state(model: nn.Module, optim: Optimizer) -> dict[str, Any]:
     return {"model": model_sd, "optim": optim_sd}
 
 
+def background(setting: bool | None, device: torch.device) -> bool:
+    """Whether saves run in the background: as `setting` says, else only when training on CUDA.
+
+    On CPU ranks that use every core, a writer thread takes turns with training. Measured with 2 ranks on 2 cores,
+    whole runs took longer in the background: small_cnn 0.82-0.95 s against 0.72-0.79 s, resnet18 10.4-10.8 s
+    against 9.9 s.
+    """
+    return device.type == "cuda" if setting is None else setting
+
+
 class Checkpointer:
     """Writes this rank's checkpoints, in the foreground or in the background, with at most one save in flight.
 

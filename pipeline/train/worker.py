@@ -99,7 +99,7 @@ class Trainer:
         self.total_steps = cfg.train.epochs * self.steps_per_epoch
         self.ckpt_root = run_dir / layout.CHECKPOINTS
         self.checkpointer = checkpoint.Checkpointer(
-            self.ckpt_root, cfg.train.keep_checkpoints, asynchronous=cfg.train.checkpoint_async
+            self.ckpt_root, cfg.train.keep_checkpoints, checkpoint.background(cfg.train.checkpoint_async, rt.device)
         )
         self.samples = 0
         self.train_seconds = 0.0

@@ -67,6 +67,12 @@ def test_only_a_checkpoint_of_the_same_data_and_model_is_resumable(tmp_path: Pat
         checkpoint.resumable(tmp_path, other)
 
 
+def test_saves_run_in_the_background_on_cuda_unless_the_config_says_otherwise() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert [checkpoint.background(None, cpu), checkpoint.background(None, cuda)] == [False, True]
+    assert [checkpoint.background(True, cpu), checkpoint.background(False, cuda)] == [True, False]
+
+
 MODES = {"async": True, "sync": False}
 
 
