@@ -165,6 +165,37 @@ def _is_fresh(previous: dict[str, Any] | None, digest: str, inputs: dict[str, st
     return bool(outputs) and run.hashes(list(outputs)) == outputs
 
 
+def _input_hashes(run: RunDir, stage: str, inputs: list[str], external: dict[str, str] | None) -> dict[str, str]:
+    missing = [rel for rel in inputs if not (run.path / rel).exists()]
+    if missing:
+        raise PipelineError(f"{stage}: missing input {run.path / missing[0]} (run the earlier stages first)")
+    return {**run.hashes(inputs), **(external or {})}
+
+
+def cached_result(
+    run: RunDir,
+    cfg: Config,
+    stage: str,
+    sections: tuple[str, ...],
+    inputs: list[str],
+    log: Callable[[str], None] = print,
+    external: dict[str, str] | None = None,
+) -> StageResult | None:
+    """The stage's recorded result when its config, inputs and outputs are unchanged since it last ran, else None."""
+    return _cached(run, stage, cfg.digest(*sections), _input_hashes(run, stage, inputs, external), log)
+
+
+def _cached(
+    run: RunDir, stage: str, digest: str, input_hashes: dict[str, str], log: Callable[[str], None]
+) -> StageResult | None:
+    previous = run.manifest()["stages"].get(stage)
+    if not _is_fresh(previous, digest, input_hashes, run):
+        return None
+    assert previous is not None
+    log(f"[{stage}] cached: inputs and config unchanged since {previous['finished']}")
+    return StageResult(stage, "cached", previous["outputs"], previous["metrics"], "inputs and config unchanged")
+
+
 def run_stage(
     run: RunDir,
     cfg: Config,
@@ -184,15 +215,9 @@ def run_stage(
     (deploy: the devices) pass `cacheable=False`.
     """
     digest = cfg.digest(*sections)
-    missing = [rel for rel in inputs if not (run.path / rel).exists()]
-    if missing:
-        raise PipelineError(f"{stage}: missing input {run.path / missing[0]} (run the earlier stages first)")
-    input_hashes = {**run.hashes(inputs), **(external or {})}
-    previous = run.manifest()["stages"].get(stage)
-    if cacheable and _is_fresh(previous, digest, input_hashes, run):
-        assert previous is not None
-        log(f"[{stage}] cached: inputs and config unchanged since {previous['finished']}")
-        return StageResult(stage, "cached", previous["outputs"], previous["metrics"], "inputs and config unchanged")
+    input_hashes = _input_hashes(run, stage, inputs, external)
+    if cacheable and (cached := _cached(run, stage, digest, input_hashes, log)):
+        return cached
     started = time.perf_counter()
     result = body()
     seconds = round(time.perf_counter() - started, 3)

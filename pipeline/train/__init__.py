@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pipeline import data
 from pipeline.config import Config
 from pipeline.errors import PipelineError
-from pipeline.manifest import RunDir, StageResult, read_json, run_stage, sha256_file
+from pipeline.manifest import RunDir, StageResult, cached_result, read_json, run_stage, sha256_file
 from pipeline.train import layout
 from pipeline.train.launcher import launch
 
@@ -56,14 +56,18 @@ def run(
     The keyword arguments place this node in a multi-node job (see :func:`launcher.launch`); every node must see
     `run` on a shared filesystem, since each rank writes its checkpoint shard there and c10d may place global rank 0,
     which writes the metrics and the summary, on any node. Only the node started with `node_rank` 0 records the
-    stage in the manifest: the others return "done" with no outputs, and are never cached, since they must join
-    every run.
+    stage in the manifest: the others return "done" with no outputs, or node 0's result when it is cached, since
+    then node 0 starts nothing for them to join.
     """
 
     def train_here() -> None:
         launch(cfg, run.path, nnodes, node_rank, rdzv_endpoint, nproc_per_node, output, local_addr)
 
     if node_rank != 0:
+        # Node 0 will find the same manifest on the shared filesystem and launch nothing: joining the rendezvous
+        # would only wait there until it timed out.
+        if cached := cached_result(run, cfg, STAGE, SECTIONS, [], log, external=fingerprints(cfg)):
+            return cached
         train_here()
         log(f"[{STAGE}] done: node {node_rank} of {nnodes}; node 0 records the run")
         return StageResult(STAGE, "done", reason=f"node {node_rank} of {nnodes}: node 0 records the run")

@@ -14,6 +14,7 @@ from tests.train.test_stage import STEPS_PER_EPOCH
 
 
 def test_two_nodes_train_one_job_into_a_shared_run_dir_and_node_zero_records_it(tmp_path: Path) -> None:
+    """Then a second start of node 1 alone finds the stage cached and does not wait for a node 0 that never comes."""
     run_dir = tmp_path / "run"
     node = [sys.executable, "-m", "pipeline", "train", "--run-dir", str(run_dir), "--set", "train.epochs=1"]
     node += ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
@@ -36,3 +37,7 @@ def test_two_nodes_train_one_job_into_a_shared_run_dir_and_node_zero_records_it(
     assert recorded["outputs"] == train.OUTPUTS and recorded["metrics"]["val_accuracy"] == summary["val_accuracy"]
     latest = run_dir / layout.LATEST
     assert sorted(p.name for p in latest.glob("rng-*.pt")) == ["rng-0.pt", "rng-1.pt"]  # a shard from each node
+
+    again = subprocess.run([*node, "--node-rank", "1"], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "[train] cached" in again.stdout
