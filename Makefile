@@ -4,8 +4,9 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
-# Debian packages the stand-in Jetson tests need (real sshd per device, namespaces); they skip, saying so, without.
-JETSON_PKGS := openssh-server openssh-client util-linux iproute2 procps
+# Debian packages the stand-in Jetson tests need (real sshd per device, namespaces; BusyBox, whose bare sh and
+# applets show the device-side script asks for nothing beyond POSIX); they skip, saying so, without.
+JETSON_PKGS := openssh-server openssh-client util-linux iproute2 procps busybox
 
 .PHONY: demo test test-all lint jetson-deps clean
 
