@@ -14,7 +14,7 @@ from tests.train.test_stage import STEPS_PER_EPOCH
 
 
 def test_two_nodes_train_one_job_into_a_shared_run_dir_and_node_zero_records_it(tmp_path: Path) -> None:
-    """Then a second start of node 1 alone finds the stage cached and does not wait for a node 0 that never comes."""
+    """Both nodes train; a later start of node 1 alone finds the stage cached instead of waiting for node 0."""
     run_dir = tmp_path / "run"
     node = [sys.executable, "-m", "pipeline", "train", "--run-dir", str(run_dir), "--set", "train.epochs=1"]
     node += ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
