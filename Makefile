@@ -10,10 +10,12 @@ JETSON_PKGS := openssh-server openssh-client util-linux iproute2 procps busybox
 
 .PHONY: demo test test-all lint jetson-deps clean
 
+# compat: the editable install puts the repo on sys.path. The default finder loses `models` to the namespace
+# package that onnxruntime.transformers appends to sys.path (it has a `models/` directory without __init__.py).
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e '.[dev]' --config-settings editable_mode=compat
 	@rm -f $(VENV)/.installed-* && touch $@
 
 demo: $(STAMP)
@@ -21,13 +23,14 @@ demo: $(STAMP)
 
 test: $(STAMP) jetson-deps
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/pytest -m "not slow"
 
 test-all: $(STAMP) jetson-deps
 	$(BIN)/pytest
 
 lint: $(STAMP)
-	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-imports
 
 jetson-deps:
 	@missing=$$(for p in $(JETSON_PKGS); do \

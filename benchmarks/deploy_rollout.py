@@ -31,9 +31,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from pipeline.config import Config  # noqa: E402
-from pipeline.deploy.inventory import load_inventory  # noqa: E402
 from pipeline.deploy.rollout import rollout  # noqa: E402
 from pipeline.deploy.stage import fleet_releases  # noqa: E402
+from pipeline.fleet.inventory import load_inventory  # noqa: E402
 from pipeline.manifest import RunDir, StageResult, create_run_dir  # noqa: E402
 from tests.harness import JetsonFleet, TargetSpec, harness_unavailable, make_plan  # noqa: E402
 

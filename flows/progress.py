@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
+from pipeline.layout import METRICS
 from pipeline.manifest import RunDir
 
 POLL_S = 2.0
@@ -19,7 +20,7 @@ POLL_S = 2.0
 
 def epochs_done(run: RunDir) -> int:
     """Completed epochs so far: the epoch lines (those with val_accuracy) in train/metrics.jsonl."""
-    path = run.path / "train/metrics.jsonl"
+    path = run.path / METRICS
     if not path.exists():
         return 0
     return sum('"val_accuracy"' in line for line in path.read_text().splitlines())

@@ -163,8 +163,8 @@ def deploy_run(
 @deploy_app.command("plan")
 def deploy_plan(inventory: InventoryOpt = None, config: ConfigOpt = None, set_: SetOpt = None) -> None:
     """Show the rollout order (canary, waves) without touching any device."""
-    from pipeline.deploy.inventory import load_inventory
     from pipeline.deploy.rollout import plan_rows
+    from pipeline.fleet.inventory import load_inventory
 
     path = _inventory(config, set_, inventory)
     if path is None:
@@ -184,7 +184,7 @@ def deploy_status(inventory: InventoryOpt = None, config: ConfigOpt = None, set_
         _print_targets(status(load_config(config, set_)))
         return
     from pipeline.deploy import ssh_fleet
-    from pipeline.deploy.inventory import load_inventory
+    from pipeline.fleet.inventory import load_inventory
 
     rows = ssh_fleet.status(load_inventory(path))
     _print_targets(rows)
@@ -208,7 +208,7 @@ def deploy_rollback(
         _print_targets(rollback(load_config(config, set_), target))
         return
     from pipeline.deploy import ssh_fleet
-    from pipeline.deploy.inventory import load_inventory
+    from pipeline.fleet.inventory import load_inventory
 
     rows = ssh_fleet.rollback(load_inventory(path), target)
     _print_targets(rows)

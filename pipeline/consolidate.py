@@ -8,7 +8,6 @@ checkpoint is read; the optimizer state stays behind.
 from __future__ import annotations
 
 import hashlib
-import os
 import pickle
 import warnings
 from collections.abc import Callable
@@ -17,24 +16,18 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
-from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from models import MODELS, build_model
+from models import build_model
 from pipeline.config import Config
 from pipeline.data import DatasetInfo
 from pipeline.errors import PipelineError
-from pipeline.manifest import RunDir, StageResult, read_json, run_stage, sha256_file, tool_versions, write_json
+from pipeline.files import first_line, read_json, sha256_file
+from pipeline.layout import DATASET, LATEST, MODEL_DIR, MODEL_JSON, SUMMARY, WEIGHTS
+from pipeline.manifest import RunDir, StageResult, run_stage, tool_versions
+from pipeline.modelfile import write_model
 
 STAGE = "consolidate"
-CHECKPOINT = "train/checkpoints/latest"
-DATASET = "train/dataset.json"
-SUMMARY = "train/summary.json"
-MODEL_DIR = "model"
-WEIGHTS_NAME = "model.safetensors"
-MODEL_JSON_NAME = "model.json"
 _DCP_METADATA = ".metadata"
 _DCP_RECORDS = "torch.distributed.checkpoint.metadata"
 _SAFE_GLOBALS = {
@@ -50,12 +43,12 @@ _SAFE_MODULES = {module for module, _ in _SAFE_GLOBALS} | {_DCP_RECORDS}
 
 def run(cfg: Config, run: RunDir, log: Callable[[str], None] = print) -> StageResult:
     """Turn `train/checkpoints/latest` into `model/model.safetensors` + `model/model.json`."""
-    inputs = [CHECKPOINT, DATASET, SUMMARY]
+    inputs = [LATEST, DATASET, SUMMARY]
     return run_stage(run, cfg, STAGE, ("model",), inputs, lambda: _consolidate(cfg, run, log), log)
 
 
 def _consolidate(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageResult:
-    step_dir = (run.path / CHECKPOINT).resolve()
+    step_dir = (run.path / LATEST).resolve()
     info = _dataset_info(run.path / DATASET)
     val_accuracy = _val_accuracy(run.path / SUMMARY)
     model = build_model(cfg.model.name, len(info.classes), info.channels)
@@ -64,10 +57,10 @@ def _consolidate(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageR
     _load_checkpoint(state, step_dir)
     _check_finite(state, step_dir)
     meta = model_json(cfg, info, step_dir, val_accuracy)
-    _write(run.path / MODEL_DIR, state, meta)
+    write_model(run.path / MODEL_DIR, state, meta)
     parameters = sum(p.numel() for p in model.parameters())
-    log(f"[{STAGE}] {step_dir.name}: {cfg.model.name}, {parameters:,} parameters -> {MODEL_DIR}/{WEIGHTS_NAME}")
-    outputs = {"weights": f"{MODEL_DIR}/{WEIGHTS_NAME}", "model_json": f"{MODEL_DIR}/{MODEL_JSON_NAME}"}
+    log(f"[{STAGE}] {step_dir.name}: {cfg.model.name}, {parameters:,} parameters -> {WEIGHTS}")
+    outputs = {"weights": WEIGHTS, "model_json": MODEL_JSON}
     metrics = {"parameters": parameters, "val_accuracy": val_accuracy, "checkpoint": step_dir.name}
     return StageResult(STAGE, "done", outputs=outputs, metrics=metrics)
 
@@ -149,11 +142,6 @@ def _check_fits(metadata: Metadata, state: dict[str, torch.Tensor], step_dir: Pa
         raise PipelineError(f"{step_dir}: checkpoint does not fit model.name={arch!r}: {'; '.join(problems[:3])}")
 
 
-def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
-
-
 def _load_checkpoint(state: dict[str, torch.Tensor], step_dir: Path) -> None:
     with warnings.catch_warnings():
         # Loading without a process group is the point here; DCP warns about it anyway.
@@ -162,7 +150,7 @@ def _load_checkpoint(state: dict[str, torch.Tensor], step_dir: Path) -> None:
             dcp.load({"model": state}, checkpoint_id=step_dir, no_dist=True)
         except dcp.CheckpointException as err:
             causes = [failure[0] if isinstance(failure, tuple) else failure for failure in err.failures.values()]
-            cause = _first_line(causes[0]) if causes else str(err)
+            cause = first_line(causes[0], typed=True) if causes else str(err)
             raise PipelineError(f"{step_dir}: cannot read checkpoint: {cause}") from None
 
 
@@ -205,52 +193,3 @@ def model_json(cfg: Config, info: DatasetInfo, step_dir: Path, val_accuracy: flo
         "metrics": {"val_accuracy": val_accuracy},
         "lineage": lineage,
     }
-
-
-def _write(model_dir: Path, state: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-    model_dir.mkdir(parents=True, exist_ok=True)
-    tmp = model_dir / f".{WEIGHTS_NAME}.{os.getpid()}.tmp"
-    tags = {"format": "pt", "architecture": meta["architecture"], "num_classes": str(meta["num_classes"])}
-    try:
-        save_file({k: t.detach().contiguous() for k, t in state.items()}, str(tmp), metadata=tags)
-        os.replace(tmp, model_dir / WEIGHTS_NAME)
-    finally:
-        tmp.unlink(missing_ok=True)
-    write_json(model_dir / MODEL_JSON_NAME, meta)
-
-
-def load_model(model_dir: Path) -> tuple[nn.Module, dict[str, Any]]:
-    """The consolidated model in eval mode, loaded strictly from `model_dir`, and its model.json."""
-    meta_path, weights = model_dir / MODEL_JSON_NAME, model_dir / WEIGHTS_NAME
-    meta = read_json(meta_path)
-    arch, num_classes, channels = _model_spec(meta, meta_path)
-    model = build_model(arch, num_classes, channels)
-    try:
-        state = load_file(str(weights))
-    except (SafetensorError, OSError) as err:
-        raise PipelineError(f"{weights}: cannot read weights: {err}") from None
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as err:
-        raise PipelineError(f"{weights}: does not fit {arch} in {meta_path.name}: {_first_detail(err)}") from None
-    return model.eval(), meta
-
-
-def _model_spec(meta: Any, path: Path) -> tuple[str, int, int]:
-    """(architecture, num_classes, channels) from model.json, after checking the fields later stages read."""
-    try:
-        arch, num_classes, spec = meta["architecture"], int(meta["num_classes"]), meta["input"]
-        height, width, channels = int(spec["height"]), int(spec["width"]), int(spec["channels"])
-        if len(meta["classes"]) != num_classes or min(height, width, channels) < 1:
-            raise ValueError("classes/num_classes/input sizes disagree")
-    except (KeyError, TypeError, ValueError) as err:
-        raise PipelineError(f"{path}: missing or invalid field: {err}") from None
-    if arch not in MODELS:
-        raise PipelineError(f"{path}: unknown architecture {arch!r} (known: {', '.join(MODELS)})")
-    return arch, num_classes, channels
-
-
-def _first_detail(err: RuntimeError) -> str:
-    # load_state_dict puts a generic header on the first line and the useful part on the next.
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return lines[1] if len(lines) > 1 else lines[0] if lines else type(err).__name__

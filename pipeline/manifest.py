@@ -8,9 +8,6 @@ hashes are unchanged, and whose outputs are still on disk unmodified, is not run
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
-import json
-import os
 import platform
 import secrets
 import subprocess
@@ -23,9 +20,9 @@ from typing import Any, Literal
 
 from pipeline.config import REPO_ROOT, Config, validate
 from pipeline.errors import PipelineError
+from pipeline.files import read_json, sha256_file, write_json
+from pipeline.layout import CONFIG_SNAPSHOT, MANIFEST
 
-MANIFEST = "manifest.json"
-CONFIG_SNAPSHOT = "config.json"
 Status = Literal["done", "cached", "skipped"]
 
 
@@ -39,33 +36,6 @@ class StageResult:
     metrics: dict[str, Any] = field(default_factory=dict)
     reason: str = ""
     """Why the stage was skipped or cached; empty when it ran."""
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file, read in chunks so large engines don't need to fit in memory."""
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def write_json(path: Path, data: Any) -> None:
-    """Write JSON atomically (temp file + rename): a crash never leaves half a manifest behind."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, path)
-
-
-def read_json(path: Path) -> Any:
-    """Read a JSON file written by the pipeline, turning a missing or corrupt one into a one-line error."""
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise PipelineError(f"{path}: not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise PipelineError(f"{path}: corrupt JSON: {err}") from None
 
 
 def new_run_id() -> str:

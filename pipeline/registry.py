@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PipelineError
-from pipeline.manifest import MANIFEST, RunDir
+from pipeline.layout import MANIFEST
+from pipeline.manifest import RunDir
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pipeline.layout import CURVES, DEPLOY_RESULTS, METRICS, PARITY, REPORT
 from pipeline.manifest import RunDir
 from pipeline.stages import STAGES
 
-CURVES = "report/curves.png"
 # The one number per stage worth seeing at a glance.
 HEADLINE = {
     "train": ("val_accuracy", "val accuracy {:.4f}"),
@@ -54,7 +54,7 @@ def stage_rows(run: RunDir) -> list[dict[str, Any]]:
 
 def epoch_rows(run: RunDir) -> list[dict[str, Any]]:
     """Per-epoch validation metrics and mean training loss from train/metrics.jsonl."""
-    path = run.path / "train/metrics.jsonl"
+    path = run.path / METRICS
     if not path.exists():
         return []
     lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -106,7 +106,7 @@ def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
 
 def _gates(run: RunDir) -> list[str]:
     lines = ["## Gates", ""]
-    parity = _read_json(run.path / "onnx/parity.json")
+    parity = _read_json(run.path / PARITY)
     if parity:
         keys = ["max_abs_diff", "atol", "top1_agreement", "onnx_accuracy", "torch_accuracy", "passed"]
         lines += ["ONNX Runtime vs PyTorch (fp32):", "", *_table(keys, [[parity.get(k, "") for k in keys]]), ""]
@@ -123,7 +123,7 @@ def _gates(run: RunDir) -> list[str]:
 
 def deploy_rows(run: RunDir) -> list[dict[str, Any]]:
     """Per-target deploy results (flat: status, release, bytes, seconds, reason); [] before any deploy."""
-    results = _read_json(run.path / "deploy/results.json")
+    results = _read_json(run.path / DEPLOY_RESULTS)
     if not results:
         return []
     keys = ["target", "status", "release", "bytes_copied", "bytes_sent", "seconds", "reason"]
@@ -167,5 +167,5 @@ def write(run: RunDir) -> str:
     """Plot the curves, write report.md into the run directory and return its text."""
     plot_curves(run, epoch_rows(run))
     text = markdown(run)
-    (run.path / "report.md").write_text(text)
+    (run.path / REPORT).write_text(text)
     return text

@@ -14,7 +14,9 @@ from typing import Any
 from pipeline import registry
 from pipeline.config import DEFAULT_CONFIG, Config, apply_overrides, load_config, validate
 from pipeline.errors import PipelineError
-from pipeline.manifest import CONFIG_SNAPSHOT, RunDir, StageResult, create_run_dir, read_json
+from pipeline.files import read_json
+from pipeline.layout import CONFIG_SNAPSHOT
+from pipeline.manifest import RunDir, StageResult, create_run_dir
 
 # Stage name → module exposing `run(cfg, run, log) -> StageResult`. Imported lazily: `pipeline runs list` should
 # not pay for importing torch.
@@ -22,7 +24,7 @@ STAGE_MODULES: dict[str, str] = {
     "train": "pipeline.train",
     "consolidate": "pipeline.consolidate",
     "export": "pipeline.export",
-    "build": "pipeline.build",
+    "build": "pipeline.engines",
     "deploy": "pipeline.deploy",
 }
 STAGES = tuple(STAGE_MODULES)

@@ -18,10 +18,11 @@ from safetensors.torch import load_file
 from torch import nn
 
 from models import build_model
-from pipeline import consolidate, data
+from pipeline import consolidate, data, modelfile
 from pipeline.config import Config
 from pipeline.errors import PipelineError
-from pipeline.manifest import RunDir, create_run_dir, read_json, write_json
+from pipeline.files import read_json, write_json
+from pipeline.manifest import RunDir, create_run_dir
 
 STEP = 12
 
@@ -75,7 +76,7 @@ def test_consolidated_weights_reproduce_the_checkpointed_model(cfg: Config, run:
     assert result.status == "done"
     assert result.metrics["parameters"] == sum(p.numel() for p in source.parameters())
 
-    model, _ = consolidate.load_model(run.path / "model")
+    model, _ = modelfile.load_model(run.path / "model")
     assert not model.training
     x = torch.randn(5, 1, 16, 16)
     with torch.inference_mode():
@@ -187,7 +188,7 @@ def test_load_model_names_a_truncated_weights_file(cfg: Config, run: RunDir, sou
     weights = run.path / "model" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(PipelineError, match=f"{weights}: cannot read weights"):
-        consolidate.load_model(run.path / "model")
+        modelfile.load_model(run.path / "model")
 
 
 def test_load_model_refuses_weights_that_do_not_fit_model_json(cfg: Config, run: RunDir, source: nn.Module) -> None:
@@ -196,7 +197,7 @@ def test_load_model_refuses_weights_that_do_not_fit_model_json(cfg: Config, run:
     meta = read_json(meta_path)
     write_json(meta_path, {**meta, "num_classes": 3, "classes": ["a", "b", "c"]})
     with pytest.raises(PipelineError, match=r"model\.safetensors: does not fit small_cnn"):
-        consolidate.load_model(run.path / "model")
+        modelfile.load_model(run.path / "model")
 
 
 _SHARDED_WRITER = """
@@ -285,7 +286,8 @@ from models import MODELS
 from models.registry import ModelSpec
 from pipeline import consolidate
 from pipeline.config import Config
-from pipeline.manifest import RunDir, create_run_dir, write_json
+from pipeline.manifest import RunDir, create_run_dir
+from pipeline.files import write_json
 
 
 def wide_mlp(num_classes, in_channels):

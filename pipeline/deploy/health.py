@@ -12,12 +12,14 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.build.detect import python_api_problem
+from pipeline.files import first_line
+from pipeline.host import python_api_problem
+from pipeline.layout import PLAN
 
 
 def check(release: Path, atol: float, atol_fp16: float) -> dict[str, Any]:
     """Run `release/sample.npz` through the release's model: {passed, runtime, reason, shape, argmax, ...}."""
-    engine = release / "model.plan"
+    engine = release / PLAN
     use_engine = engine.is_file() and python_api_problem() is None
     runtime = "tensorrt" if use_engine else "onnxruntime"
     tolerance = atol_fp16 if use_engine and _engine_precision(release) == "fp16" else atol
@@ -29,7 +31,7 @@ def check(release: Path, atol: float, atol_fp16: float) -> dict[str, Any]:
         logits = _run_engine(engine, x) if use_engine else _run_onnx(release / "model.onnx", x)
     # Whatever stops the release from running (corrupt model, missing file, runtime error) is a failed check.
     except Exception as err:
-        return {**base, "reason": f"{runtime} could not run the release: {str(err).strip().splitlines()[0]}"}
+        return {**base, "reason": f"{runtime} could not run the release: {first_line(err)}"}
     return {**base, **compare(logits, expected, classes, tolerance)}
 
 

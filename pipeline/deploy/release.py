@@ -16,20 +16,14 @@ from typing import Any
 import numpy as np
 
 from pipeline.errors import PipelineError
-from pipeline.manifest import RunDir, read_json, sha256_file, write_json
+from pipeline.files import read_json, sha256_file, write_json, write_text
+from pipeline.fleet.names import SAFE_NAME, safe_name
+from pipeline.layout import DEPLOY_DIR, MODEL_JSON, ONNX, PLAN, SAMPLE
+from pipeline.manifest import RunDir
 
 SUMS = "SHA256SUMS"
 REQUIRED = ("model.onnx", "model.json", "labels.txt", "sample.npz")
-# Names end up in paths on the target: no separators, no leading dot, nothing `..`-like.
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SUMS_LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
-
-
-def safe_name(name: str, what: str) -> str:
-    """`name` if it is safe as one path component on a target, else a PipelineError naming `what`."""
-    if not _SAFE_NAME.match(name) or ".." in name:
-        raise PipelineError(f"{what}: {name!r} is not a safe name (letters, digits, '.', '_', '-'; no '..')")
-    return name
 
 
 def release_id(run_id: str, onnx: Path) -> str:
@@ -97,17 +91,17 @@ def make_plan(
     labels.txt and SHA256SUMS are generated into `<run>/deploy/` so every file of the release exists on disk and
     any transport (a copy here, SFTP) only moves files. Local and SSH deploys share this one plan.
     """
-    onnx, meta, sample = run.path / "onnx/model.onnx", run.path / "model/model.json", run.path / "onnx/sample.npz"
+    onnx, meta, sample = run.path / ONNX, run.path / MODEL_JSON, run.path / SAMPLE
     _check_sample(sample)
-    out = out or run.path / "deploy"
+    out = out or run.path / DEPLOY_DIR
     out.mkdir(parents=True, exist_ok=True)
-    _write_text(out / "labels.txt", "".join(f"{c}\n" for c in model_classes(meta)))
+    write_text(out / "labels.txt", "".join(f"{c}\n" for c in model_classes(meta)))
     files = {"model.onnx": onnx, "model.json": meta, "sample.npz": sample, "labels.txt": out / "labels.txt"}
     if engine is not None:
-        files.update({"model.plan": engine[0], "engine.json": engine[1]})
+        files.update({PLAN: engine[0], "engine.json": engine[1]})
     files.update({safe_name(name, "release file"): path for name, path in (extra or {}).items()})
     sha256 = {name: sha256_file(path) for name, path in files.items()}
-    _write_text(out / SUMS, sums_text(sha256))
+    write_text(out / SUMS, sums_text(sha256))
     files[SUMS] = out / SUMS
     sha256[SUMS] = sha256_file(out / SUMS)
     plan = ReleasePlan(release_id(run.path.name, onnx), files, sha256)
@@ -145,18 +139,12 @@ def plan_json(plan: ReleasePlan) -> dict[str, Any]:
     return {"release": plan.release_id, "bytes": plan.bytes, "files": files}
 
 
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def list_releases(root: Path) -> list[str]:
     """Complete release ids on a target, newest (most recently installed or reused) first."""
     releases = root / "releases"
     if not releases.is_dir():
         return []
-    found = [p for p in releases.iterdir() if p.is_dir() and _SAFE_NAME.match(p.name) and not p.name.endswith(".part")]
+    found = [p for p in releases.iterdir() if p.is_dir() and SAFE_NAME.match(p.name) and not p.name.endswith(".part")]
     found.sort(key=lambda p: (p.stat().st_mtime_ns, p.name), reverse=True)
     return [p.name for p in found]
 

@@ -19,10 +19,11 @@ from typing import Any
 
 import asyncssh
 
-from pipeline.deploy.inventory import Policy, SshTarget
-from pipeline.deploy.probe import Facts, parse_facts, probe_script
 from pipeline.deploy.release import SUMS, ReleasePlan, make_plan, plan_json, release_id
-from pipeline.deploy.ssh import FAILURES, Device, HostKeyRefused
+from pipeline.fleet.inventory import Policy, SshTarget
+from pipeline.fleet.probe import Facts, parse_facts, probe_script
+from pipeline.fleet.ssh import FAILURES, Device, HostKeyRefused
+from pipeline.layout import DEPLOY_DIR, ONNX
 from pipeline.manifest import RunDir
 
 ACTIVATE = "activate.sh"
@@ -62,10 +63,10 @@ class Releases:
     """
 
     def __init__(self, run: RunDir, engines: dict[str, tuple[Path, Path]], extra: dict[str, Path]) -> None:
-        self.id = release_id(run.path.name, run.path / "onnx/model.onnx")
+        self.id = release_id(run.path.name, run.path / ONNX)
         keys: dict[str, tuple[Path, Path] | None] = dict(engines) if engines else {"onnx": None}
         self.variants = {
-            key: Release(make_plan(run, engine, extra, out=run.path / "deploy/releases" / key), engine and key)
+            key: Release(make_plan(run, engine, extra, out=run.path / DEPLOY_DIR / "releases" / key), engine and key)
             for key, engine in keys.items()
         }
 

@@ -17,9 +17,9 @@ from rich.console import Console
 from rich.table import Column, Table
 
 from pipeline.deploy import remote
-from pipeline.deploy.inventory import Inventory, SshTarget
 from pipeline.deploy.remote import ACTIVE, SKIPPED, Releases
-from pipeline.deploy.ssh import quiet_lost_connections
+from pipeline.fleet.inventory import Inventory, SshTarget
+from pipeline.fleet.ssh import quiet_lost_connections
 
 
 def waves(inventory: Inventory) -> list[list[SshTarget]]:

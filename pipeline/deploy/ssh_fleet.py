@@ -7,9 +7,9 @@ import time
 from typing import Any
 
 from pipeline.deploy import remote
-from pipeline.deploy.inventory import Inventory, SshTarget
 from pipeline.deploy.remote import FAILED, REFUSED, ROLLED_BACK, UNREACHABLE
-from pipeline.deploy.ssh import FAILURES, Device, HostKeyRefused, quiet_lost_connections
+from pipeline.fleet.inventory import Inventory, SshTarget
+from pipeline.fleet.ssh import FAILURES, Device, HostKeyRefused, quiet_lost_connections
 
 
 def status(inventory: Inventory) -> list[dict[str, Any]]:

@@ -19,18 +19,18 @@ from rich.table import Column, Table
 
 from pipeline.config import Config
 from pipeline.deploy import remote
-from pipeline.deploy.inventory import load_inventory
 from pipeline.deploy.local import ACTIVE, deploy_target
 from pipeline.deploy.release import make_plan
 from pipeline.deploy.remote import UNREACHABLE
 from pipeline.deploy.rollout import failed, rollout, rollout_table, waves
 from pipeline.errors import PipelineError, TransientError
-from pipeline.manifest import RunDir, StageResult, read_json, run_stage, write_json
+from pipeline.files import read_json, write_json
+from pipeline.fleet.inventory import load_inventory
+from pipeline.layout import DEPLOY_PLAN, DEPLOY_RESULTS, MODEL_JSON, ONNX, PLAN, SAMPLE
+from pipeline.manifest import RunDir, StageResult, run_stage
 
-INPUTS = ["onnx/model.onnx", "onnx/sample.npz", "model/model.json"]
+INPUTS = [ONNX, SAMPLE, MODEL_JSON]
 ACTIVATE_SCRIPT = Path(__file__).with_name("activate.sh")
-RESULTS = "deploy/results.json"
-PLAN = "deploy/plan.json"
 
 
 def run(cfg: Config, run: RunDir, log: Callable[[str], None] = print) -> StageResult:
@@ -91,10 +91,10 @@ def _body(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageResult:
     if cfg.deploy.inventory is not None:
         return _fleet_body(cfg, run, log)
     plan = make_plan(run, local_engine(run))
-    engine_note = "with engine" if "model.plan" in plan.files else "ONNX only"
+    engine_note = "with engine" if PLAN in plan.files else "ONNX only"
     log(f"[deploy] release {plan.release_id} ({plan.bytes / 1e6:.2f} MB, {engine_note})")
     results = [deploy_target(target, plan, cfg.deploy, log) for target in cfg.deploy.targets]
-    write_json(run.path / RESULTS, {"release": plan.release_id, "targets": results})
+    write_json(run.path / DEPLOY_RESULTS, {"release": plan.release_id, "targets": results})
     log(results_table(results))
     failed = [r for r in results if r["status"] != ACTIVE]
     if failed:
@@ -103,7 +103,7 @@ def _body(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageResult:
     return StageResult(
         "deploy",
         "done",
-        outputs={"results": RESULTS, "plan": PLAN},
+        outputs={"results": DEPLOY_RESULTS, "plan": DEPLOY_PLAN},
         metrics={
             "release": plan.release_id,
             "active": len(results),
@@ -122,9 +122,9 @@ def _fleet_body(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageRe
     size = f"{releases.bytes / 1e6:.2f} MB"
     log(f"[deploy] release {releases.id} ({size}, {engine_note}) to {len(inventory.targets)} device(s)")
     plan = {**releases.summary(), "waves": [[t.name for t in wave] for wave in waves(inventory)]}
-    write_json(run.path / PLAN, plan)
+    write_json(run.path / DEPLOY_PLAN, plan)
     rows = asyncio.run(rollout(inventory, releases, log))
-    write_json(run.path / RESULTS, {"release": releases.id, "inventory": str(inventory.path), "targets": rows})
+    write_json(run.path / DEPLOY_RESULTS, {"release": releases.id, "inventory": str(inventory.path), "targets": rows})
     log(rollout_table(rows))
     bad = [r for r in rows if r["status"] != ACTIVE]
     if bad:
@@ -137,7 +137,7 @@ def _fleet_body(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageRe
         raise (TransientError if transient else PipelineError)(message)
     metrics = {"release": releases.id, "active": len(rows), "targets": len(rows)}
     metrics["bytes_sent"] = sum(r["bytes_sent"] for r in rows)
-    return StageResult("deploy", "done", outputs={"results": RESULTS, "plan": PLAN}, metrics=metrics)
+    return StageResult("deploy", "done", outputs={"results": DEPLOY_RESULTS, "plan": DEPLOY_PLAN}, metrics=metrics)
 
 
 def results_table(results: list[dict[str, Any]]) -> str:

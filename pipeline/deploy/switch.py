@@ -10,8 +10,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.deploy.release import safe_name
 from pipeline.errors import PipelineError
+from pipeline.fleet.names import safe_name
 
 CURRENT = "current"
 PREVIOUS = "previous"

@@ -21,30 +21,23 @@ from torch.utils.data import DataLoader
 
 from pipeline import data
 from pipeline.config import Config
-from pipeline.consolidate import MODEL_DIR, MODEL_JSON_NAME, WEIGHTS_NAME, load_model
 from pipeline.errors import PipelineError
 from pipeline.export.onnx_export import export_onnx
 from pipeline.export.parity import check_parity, save_sample, variant_accuracy
-from pipeline.export.variants import VARIANTS, to_fp16, to_int8, variant_name
-from pipeline.manifest import RunDir, StageResult, run_stage, write_json
+from pipeline.export.variants import VARIANTS, to_fp16, to_int8
+from pipeline.files import write_json
+from pipeline.layout import MODEL_DIR, MODEL_JSON, ONNX, ONNX_DIR, PARITY, SAMPLE, WEIGHTS, onnx_name, onnx_path
+from pipeline.manifest import RunDir, StageResult, run_stage
+from pipeline.modelfile import load_model
 
 STAGE = "export"
-ONNX_DIR = "onnx"
-ONNX = "onnx/model.onnx"
-PARITY = "onnx/parity.json"
-SAMPLE = "onnx/sample.npz"
 
-__all__ = ["ONNX", "PARITY", "SAMPLE", "STAGE", "run", "variant_path"]
-
-
-def variant_path(variant: str) -> str:
-    """Run-dir-relative path of a variant's file: onnx/model.onnx for fp32, onnx/model.<variant>.onnx otherwise."""
-    return f"{ONNX_DIR}/{variant_name(variant)}"
+__all__ = ["STAGE", "run"]
 
 
 def run(cfg: Config, run: RunDir, log: Callable[[str], None] = print) -> StageResult:
     """Export the consolidated model to ONNX (+ requested variants), gated on parity and accuracy."""
-    inputs = [f"{MODEL_DIR}/{WEIGHTS_NAME}", f"{MODEL_DIR}/{MODEL_JSON_NAME}"]
+    inputs = [WEIGHTS, MODEL_JSON]
     # The parity images depend on the data (files, not just config) and on the seed that splits them.
     external = {"data": data.fingerprint(cfg.data), "run.seed": str(cfg.run.seed)}
     sections = ("data", "export")
@@ -61,7 +54,7 @@ def _export(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageResult
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
-        fp32 = staging / variant_name("fp32")
+        fp32 = staging / onnx_name("fp32")
         facts = export_onnx(model, meta, cfg.export, fp32)
         log(f"[{STAGE}] opset {facts['opset']}: {facts['opset_choice']['reason']}")
         report = check_parity(fp32, model, images, labels, cfg.export.atol, cfg.export.max_batch)
@@ -93,7 +86,7 @@ def _result(
     metrics = {key: report[key] for key in ("max_abs_diff", "top1_agreement", "onnx_accuracy")}
     metrics.update({f"{name}_accuracy": value for name, value in accuracies.items()})
     outputs = {"onnx": ONNX, "parity": PARITY, "sample": SAMPLE}
-    outputs.update({f"onnx_{name}": variant_path(name) for name in files if name != "fp32"})
+    outputs.update({f"onnx_{name}": onnx_path(name) for name in files if name != "fp32"})
     return StageResult(STAGE, "done", outputs=outputs, metrics={**metrics, "opset": facts["opset"]})
 
 
@@ -102,7 +95,7 @@ def _splits(cfg: Config, meta: dict[str, Any]) -> data.Splits:
     spec = meta["input"]
     splits = data.load(cfg.data, cfg.run.seed, channels=int(spec["channels"]))
     if splits.info.classes != meta["classes"]:
-        raise PipelineError(f"data: its classes differ from those in {MODEL_DIR}/{MODEL_JSON_NAME} (other dataset?)")
+        raise PipelineError(f"data: its classes differ from those in {MODEL_JSON} (other dataset?)")
     size, trained = (splits.info.image_size,) * 2, (int(spec["height"]), int(spec["width"]))
     if size != trained:
         got, want = "x".join(map(str, size)), "x".join(map(str, trained))
@@ -127,7 +120,7 @@ def _build_variants(
 ) -> dict[str, Path]:
     files = {}
     for variant in (v for v in VARIANTS if v in cfg.export.variants):
-        dest = staging / variant_name(variant)
+        dest = staging / onnx_name(variant)
         if variant == "fp16":
             to_fp16(fp32, dest)
         else:
@@ -151,7 +144,7 @@ def _accuracy_report(
         drop = base - found["accuracy"]
         fp32 = name == "fp32"
         variants[name] = {
-            "file": variant_path(name),
+            "file": onnx_path(name),
             "accuracy": found["accuracy"],
             "drop": drop,
             # fp32: logits against PyTorch (the parity gate); variants: against the fp32 file.
@@ -195,4 +188,4 @@ def _promote(staging: Path, onnx_dir: Path, files: dict[str, Path]) -> None:
         os.replace(path, onnx_dir / path.name)
     for variant in VARIANTS:
         if variant not in files:
-            (onnx_dir / variant_name(variant)).unlink(missing_ok=True)
+            (onnx_dir / onnx_name(variant)).unlink(missing_ok=True)

@@ -6,7 +6,6 @@ import contextlib
 import io
 import json
 import logging
-import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ from torch import nn
 from pipeline.config import ExportConfig
 from pipeline.errors import PipelineError
 from pipeline.export import opset
+from pipeline.files import first_line
 
 INPUT_NAME = "input"
 OUTPUT_NAME = "logits"
@@ -28,7 +28,6 @@ EXPORT_KEY = "export"
 """metadata_props key holding {opset, batch: {min, opt, max}, input, output, precision}; the other keys mirror
 model.json."""
 _CHATTY_LOGGERS = ("torch.onnx", "torch.export", "torch._dynamo", "torch.fx", "onnxscript")
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 @contextlib.contextmanager
@@ -47,16 +46,11 @@ def quiet() -> Iterator[None]:
             logging.getLogger(name).setLevel(level)
 
 
-def _first_line(err: BaseException) -> str:
-    lines = [line.strip() for line in _ANSI.sub("", str(err)).splitlines() if line.strip()]
-    return lines[0] if lines else type(err).__name__
-
-
 def _reason(err: BaseException) -> str:
     """The exporter's own first line is generic ("Failed to export ..."); its cause says what went wrong."""
     cause = err.__cause__
-    text = _first_line(err)
-    return f"{text} ({type(cause).__name__}: {_first_line(cause)[:200]})" if cause else text
+    text = first_line(err)
+    return f"{text} ({type(cause).__name__}: {first_line(cause)[:200]})" if cause else text
 
 
 def input_shape(meta: dict[str, Any]) -> tuple[int, int, int]:
@@ -140,7 +134,7 @@ def export_onnx(model: nn.Module, meta: dict[str, Any], cfg: ExportConfig, path:
     try:
         onnx.checker.check_model(proto, full_check=True)
     except onnx.checker.ValidationError as err:
-        reason = _first_line(err)
+        reason = first_line(err)
         raise PipelineError(f"export: {arch} exported to an invalid graph at opset {target}: {reason}") from err
     onnx.save(proto, str(path))
     return {**facts, **extra}
@@ -152,4 +146,4 @@ def read_metadata(path: Path) -> dict[str, Any]:
         proto = onnx.load(str(path), load_external_data=False)
         return {prop.key: json.loads(prop.value) for prop in proto.metadata_props}
     except (OSError, DecodeError, json.JSONDecodeError) as err:
-        raise PipelineError(f"{path}: cannot read ONNX metadata: {_first_line(err)}") from None
+        raise PipelineError(f"{path}: cannot read ONNX metadata: {first_line(err)}") from None

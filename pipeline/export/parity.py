@@ -14,6 +14,7 @@ from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 from torch import nn
 
 from pipeline.errors import PipelineError
+from pipeline.files import first_line
 
 # ORT's error types live in its binary module and share no base class below Exception.
 _ORT_ERRORS = (
@@ -28,11 +29,6 @@ _ORT_ERRORS = (
 _QUIET = 3  # ORT log severity "error": its warnings about unused initializers are noise here
 
 
-def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0] if lines else type(err).__name__
-
-
 def _session(path: Path, exact: bool = False) -> ort.InferenceSession:
     """A CPU session; `exact` keeps ORT from fusing Q/DQ pairs into its own int8 kernels (see `variant_accuracy`)."""
     options = ort.SessionOptions()
@@ -42,7 +38,7 @@ def _session(path: Path, exact: bool = False) -> ort.InferenceSession:
     try:
         return ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
     except _ORT_ERRORS as err:
-        raise PipelineError(f"{path}: ONNX Runtime cannot load it: {_first_line(err)}") from None
+        raise PipelineError(f"{path}: ONNX Runtime cannot load it: {first_line(err)}") from None
 
 
 def onnx_logits(path: Path, images: np.ndarray, max_batch: int) -> np.ndarray:
@@ -52,7 +48,7 @@ def onnx_logits(path: Path, images: np.ndarray, max_batch: int) -> np.ndarray:
     try:
         chunks = [session.run(None, {name: images[i : i + max_batch]})[0] for i in range(0, len(images), max_batch)]
     except _ORT_ERRORS as err:
-        raise PipelineError(f"{path}: ONNX Runtime cannot run it: {_first_line(err)}") from None
+        raise PipelineError(f"{path}: ONNX Runtime cannot run it: {first_line(err)}") from None
     return np.concatenate(chunks)
 
 
@@ -118,7 +114,7 @@ def _run(session: ort.InferenceSession, path: Path, images: np.ndarray) -> np.nd
     try:
         return session.run(None, {session.get_inputs()[0].name: images})[0]
     except _ORT_ERRORS as err:
-        raise PipelineError(f"{path}: ONNX Runtime cannot run it: {_first_line(err)}") from None
+        raise PipelineError(f"{path}: ONNX Runtime cannot run it: {first_line(err)}") from None
 
 
 def save_sample(path: Path, image: torch.Tensor, label: int, out: Path) -> None:

@@ -25,11 +25,6 @@ VARIANTS = ("fp16", "int8")
 """Variants derived from model.onnx, in the order they are built."""
 
 
-def variant_name(variant: str) -> str:
-    """File name of a variant inside onnx/: model.onnx for fp32, model.<variant>.onnx otherwise."""
-    return "model.onnx" if variant == "fp32" else f"model.{variant}.onnx"
-
-
 class _Batches(CalibrationDataReader):
     """Feeds calibration batches to ONNX Runtime's calibrator, one `{input: array}` at a time."""
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pipeline import data
+from pipeline import data, layout
 from pipeline.config import Config
 from pipeline.errors import PipelineError
-from pipeline.manifest import RunDir, StageResult, cached_result, read_json, run_stage, sha256_file
-from pipeline.train import layout
+from pipeline.files import read_json, sha256_file
+from pipeline.manifest import RunDir, StageResult, cached_result, run_stage
 from pipeline.train.launcher import launch
 
 STAGE = "train"

@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 
 from pipeline.config import Config
 from pipeline.errors import PipelineError
-from pipeline.manifest import read_json, write_json
+from pipeline.files import read_json, write_json
 
 TRAINER_JSON = "trainer.json"
 LATEST = "latest"

@@ -17,7 +17,8 @@ import models
 from pipeline import data
 from pipeline.config import REPO_ROOT, Config, TrainConfig
 from pipeline.errors import PipelineError
-from pipeline.manifest import CONFIG_SNAPSHOT, RunDir
+from pipeline.layout import CONFIG_SNAPSHOT
+from pipeline.manifest import RunDir
 from pipeline.train import checkpoint, layout, procgroup
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from pipeline import nvidia_smi
+from pipeline import host
 
 HYSTERESIS_C = 5.0
 """Degrees below the limit before the micro-batch grows back: keeps it from flapping at the threshold."""
@@ -35,7 +35,7 @@ def _zones() -> float | None:
 
 def _nvidia_smi() -> float | None:
     try:
-        return max((float(v) for v in nvidia_smi.query("temperature.gpu", timeout_s=5)), default=None)
+        return max((float(v) for v in host.nvidia_smi("temperature.gpu", timeout_s=5)), default=None)
     except ValueError:
         return None
 
@@ -44,7 +44,12 @@ def sensor(path: Path | None) -> Callable[[], float | None]:
     """The hottest reading, in °C, from `path` if given, else the thermal zones, else nvidia-smi (None if none)."""
     if path is not None:
         return lambda: _read_celsius(path)
-    return lambda: _zones() if _zones() is not None else _nvidia_smi()
+
+    def hottest() -> float | None:
+        zones = _zones()
+        return zones if zones is not None else _nvidia_smi()
+
+    return hottest
 
 
 class Controller:

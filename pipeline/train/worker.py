@@ -27,7 +27,8 @@ import models
 from pipeline import data
 from pipeline.config import Config
 from pipeline.errors import PipelineError
-from pipeline.manifest import RunDir, write_json
+from pipeline.files import write_json
+from pipeline.manifest import RunDir
 from pipeline.train import checkpoint, layout, runtime, stepping, strategy, thermal
 from pipeline.train.metrics import MetricsLog
 from pipeline.train.runtime import Runtime

@@ -15,8 +15,9 @@ from pipeline import deploy
 from pipeline.config import Config, DeployConfig, LocalTarget
 from pipeline.deploy import switch
 from pipeline.deploy.local import prune
-from pipeline.deploy.release import parse_sums, release_id, safe_name, sums_text, verify_dir
+from pipeline.deploy.release import parse_sums, release_id, sums_text, verify_dir
 from pipeline.errors import PipelineError
+from pipeline.fleet.names import safe_name
 from pipeline.manifest import RunDir, StageResult
 
 QUIET = {"log": lambda _: None}

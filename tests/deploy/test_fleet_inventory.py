@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.deploy.inventory import load_inventory
-from pipeline.deploy.probe import parse_facts
 from pipeline.deploy.remote import apply_activation, new_result
 from pipeline.deploy.rollout import plan_rows, waves
 from pipeline.errors import PipelineError
+from pipeline.fleet.inventory import load_inventory
+from pipeline.fleet.probe import parse_facts
 
 REPO = Path(__file__).resolve().parents[2]
 

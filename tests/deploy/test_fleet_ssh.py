@@ -21,9 +21,9 @@ from pipeline import deploy
 from pipeline.cli import app
 from pipeline.config import Config, DeployConfig
 from pipeline.deploy import remote, ssh_fleet
-from pipeline.deploy.inventory import load_inventory
-from pipeline.deploy.ssh import Device
 from pipeline.errors import PipelineError, TransientError
+from pipeline.fleet.inventory import load_inventory
+from pipeline.fleet.ssh import Device
 from pipeline.manifest import RunDir, StageResult
 from tests.harness import XAVIER_NX_JP513, JetsonFleet, JetsonTarget, TargetSpec, fixtures, make_plan
 

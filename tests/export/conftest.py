@@ -16,7 +16,8 @@ from torch.utils.data import DataLoader
 from models import build_model
 from pipeline import consolidate, data, export
 from pipeline.config import Config
-from pipeline.manifest import RunDir, StageResult, create_run_dir, write_json
+from pipeline.files import write_json
+from pipeline.manifest import RunDir, StageResult, create_run_dir
 
 EXPORT = {
     "opset": 18,

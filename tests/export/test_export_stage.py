@@ -14,7 +14,8 @@ import pipeline.export as export_stage
 from pipeline.config import Config
 from pipeline.errors import PipelineError
 from pipeline.export import onnx_export
-from pipeline.manifest import RunDir, StageResult, read_json
+from pipeline.files import read_json
+from pipeline.manifest import RunDir, StageResult
 
 Exported = tuple[RunDir, StageResult, list[str]]
 

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from pipeline.config import ExportConfig
-from pipeline.consolidate import load_model
 from pipeline.errors import PipelineError
 from pipeline.export import onnx_export
-from pipeline.manifest import RunDir, StageResult, read_json
+from pipeline.files import read_json
+from pipeline.manifest import RunDir, StageResult
+from pipeline.modelfile import load_model
 
 Exported = tuple[RunDir, StageResult, list[str]]
 

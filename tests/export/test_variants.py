@@ -15,10 +15,11 @@ from safetensors.torch import load_file, save_file
 
 import pipeline.export as export_stage
 from pipeline.config import Config, load_config
-from pipeline.consolidate import load_model
 from pipeline.errors import PipelineError
 from pipeline.export import onnx_export, opset
-from pipeline.manifest import RunDir, StageResult, read_json
+from pipeline.files import read_json
+from pipeline.manifest import RunDir, StageResult
+from pipeline.modelfile import load_model
 
 Exported = tuple[RunDir, StageResult, list[str]]
 

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 import models
 from pipeline.config import validate
 from pipeline.errors import PipelineError
-from pipeline.manifest import write_json
+from pipeline.files import write_json
 from pipeline.train import checkpoint, runtime
 from tests.train.ranks import run_ranks
 

@@ -17,7 +17,8 @@ from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 import models
 from pipeline import train
 from pipeline.config import Config, validate
-from pipeline.manifest import create_run_dir, read_json
+from pipeline.files import read_json
+from pipeline.manifest import create_run_dir
 from pipeline.train import checkpoint, layout, runtime
 from pipeline.train.worker import Trainer
 from tests.train.ranks import run_ranks

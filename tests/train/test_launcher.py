@@ -10,7 +10,8 @@ import pytest
 
 from pipeline.config import REPO_ROOT, validate
 from pipeline.errors import PipelineError
-from pipeline.manifest import create_run_dir, write_json
+from pipeline.files import write_json
+from pipeline.manifest import create_run_dir
 from pipeline.train import checkpoint, launcher, layout
 
 

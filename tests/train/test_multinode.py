@@ -6,9 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline import train
-from pipeline.manifest import RunDir, read_json
-from pipeline.train import layout
+from pipeline import layout, train
+from pipeline.files import read_json
+from pipeline.manifest import RunDir
 from pipeline.train.launcher import free_port
 from tests.train.test_stage import STEPS_PER_EPOCH
 

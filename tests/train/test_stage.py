@@ -16,11 +16,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 import models
-from pipeline import data, train
+from pipeline import data, layout, train
 from pipeline.config import Config, validate
 from pipeline.errors import PipelineError
-from pipeline.manifest import RunDir, create_run_dir, read_json
-from pipeline.train import layout
+from pipeline.files import read_json
+from pipeline.manifest import RunDir, create_run_dir
 from pipeline.train.procgroup import KILL_GRACE_S
 
 STEPS_PER_EPOCH = 23  # ceil(1437 training digits / 2 ranks / 32 per rank)

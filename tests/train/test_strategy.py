@@ -18,10 +18,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 import models
-from pipeline import data
+from pipeline import data, layout
 from pipeline.config import Config, validate
-from pipeline.manifest import read_json, write_json
-from pipeline.train import layout, runtime, stepping, strategy
+from pipeline.files import read_json, write_json
+from pipeline.train import runtime, stepping, strategy
 from pipeline.train.worker import Trainer
 from tests.train.ranks import run_ranks
 

@@ -9,7 +9,7 @@ import pytest
 from pipeline import data, train
 from pipeline.config import validate
 from pipeline.errors import PipelineError
-from pipeline.manifest import sha256_file
+from pipeline.files import sha256_file
 from pipeline.train.compression import CommCounter
 from pipeline.train.worker import cosine_lr, per_rank_batch
 

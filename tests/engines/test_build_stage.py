@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import build
-from pipeline.build.detect import python_api_problem
+from pipeline import engines
 from pipeline.config import BuildConfig, Config, ExportConfig
 from pipeline.errors import PipelineError
+from pipeline.host import python_api_problem
 from pipeline.manifest import RunDir
-from tests.build.standins import StandinTrtexec
+from tests.engines.standins import StandinTrtexec
 
 MakeRun = Callable[[Config], RunDir]
 
@@ -33,7 +33,7 @@ def calls(exe: Path) -> list[list[str]]:
 @pytest.mark.skipif(python_api_problem() is None, reason="TensorRT and a GPU are present: nothing to skip")
 def test_auto_without_tensorrt_skips_and_writes_nothing(make_run: MakeRun, tmp_path: Path):
     run = make_run(trtexec_config(tmp_path / "no-such-trtexec"))
-    result = build.run(run.load_config(), run, log=lambda _: None)
+    result = engines.run(run.load_config(), run, log=lambda _: None)
     assert result.status == "skipped"
     assert "no TensorRT" in result.reason and "`import tensorrt` failed" in result.reason
     assert "trtexec is not on PATH" in result.reason
@@ -45,10 +45,10 @@ def test_auto_without_tensorrt_skips_and_writes_nothing(make_run: MakeRun, tmp_p
 def test_forced_builder_that_is_missing_is_an_error(make_run: MakeRun, tmp_path: Path):
     run = make_run(Config(build=BuildConfig(builder="python")))
     with pytest.raises(PipelineError, match=r"build\.builder: 'python' needs"):
-        build.run(run.load_config(), run, log=lambda _: None)
+        engines.run(run.load_config(), run, log=lambda _: None)
     cfg = Config(build=BuildConfig(builder="trtexec", trtexec=str(tmp_path / "absent")))
     with pytest.raises(PipelineError, match=r"build\.trtexec: .*absent.* not an executable on PATH"):
-        build.run(cfg, run, log=lambda _: None)
+        engines.run(cfg, run, log=lambda _: None)
 
 
 def test_standin_trtexec_build(make_run: MakeRun, fake_trtexec: Callable[..., Path], monkeypatch: pytest.MonkeyPatch):
@@ -56,7 +56,7 @@ def test_standin_trtexec_build(make_run: MakeRun, fake_trtexec: Callable[..., Pa
     monkeypatch.setenv("PATH", f"{exe.parent}:/usr/bin:/bin")  # found by name, as on a Jetson
     cfg = trtexec_config("fake_trtexec")
     run = make_run(cfg)
-    result = build.run(cfg, run, log=lambda _: None)
+    result = engines.run(cfg, run, log=lambda _: None)
 
     klass = "local-sm87-trt10.3.0"
     assert result.status == "done"
@@ -77,12 +77,12 @@ def test_standin_trtexec_build(make_run: MakeRun, fake_trtexec: Callable[..., Pa
     assert result.metrics["engine_bytes"] == engine.stat().st_size and result.metrics["class"] == klass
 
     # Unchanged inputs, config and TensorRT: cached, trtexec not run again.
-    assert build.run(cfg, run, log=lambda _: None).status == "cached"
+    assert engines.run(cfg, run, log=lambda _: None).status == "cached"
     assert len(calls(exe)) == 1
 
     # A rebuild (new profile) starts from the class's timing cache and extends it.
     cfg.export.opt_batch = 4
-    assert build.run(cfg, run, log=lambda _: None).status == "done"
+    assert engines.run(cfg, run, log=lambda _: None).status == "done"
     assert len(calls(exe)) == 2
     assert (run.path / f"engines/{klass}/timing.cache").read_text() == "timing entry\n" * 2
 
@@ -91,7 +91,7 @@ def test_tensorrt_11_gets_no_fp16_flag(make_run: MakeRun, fake_trtexec: Callable
     exe = fake_trtexec(packed="110000")
     cfg = trtexec_config(exe)
     run = make_run(cfg)
-    result = build.run(cfg, run, log=lambda _: None)
+    result = engines.run(cfg, run, log=lambda _: None)
     info = json.loads((run.path / result.outputs["build_info"]).read_text())
     assert info["class"] == "local-sm87-trt11.0.0" and info["fp16_flag"] is False
     assert "--fp16" not in calls(exe)[0]
@@ -100,13 +100,13 @@ def test_tensorrt_11_gets_no_fp16_flag(make_run: MakeRun, fake_trtexec: Callable
 def test_failed_build_reports_the_error_and_keeps_the_old_engine(make_run: MakeRun, fake_trtexec: Callable[..., Path]):
     cfg = trtexec_config(fake_trtexec())
     run = make_run(cfg)
-    engine = run.path / build.run(cfg, run, log=lambda _: None).outputs["engine"]
+    engine = run.path / engines.run(cfg, run, log=lambda _: None).outputs["engine"]
     good = engine.read_bytes()
 
     cfg.build.trtexec = str(fake_trtexec(mode="fail"))
     cfg.build.precision = "fp32"  # a config change, so the stage really runs again
     with pytest.raises(PipelineError) as err:
-        build.run(cfg, run, log=lambda _: None)
+        engines.run(cfg, run, log=lambda _: None)
     message = str(err.value)
     assert "trtexec exited with status 1: ERROR: stand-in build failed on purpose" in message
     assert "build-failed.log" in message and "\n" not in message
@@ -120,7 +120,7 @@ def test_failed_build_reports_the_error_and_keeps_the_old_engine(make_run: MakeR
 def test_python_api_builds_a_real_engine(make_run: MakeRun):
     cfg = Config(build=BuildConfig(builder="python", precision="fp16", workspace_mb=256))
     run = make_run(cfg)
-    result = build.run(cfg, run, log=lambda _: None)
+    result = engines.run(cfg, run, log=lambda _: None)
     info = json.loads((run.path / result.outputs["build_info"]).read_text())
     assert result.status == "done" and info["builder"] == "python" and info["class"].startswith("local-sm")
     assert (run.path / result.outputs["engine"]).stat().st_size > 1000
@@ -131,11 +131,11 @@ def test_local_engine_is_verified(make_run: MakeRun, standin: Callable[..., Stan
     tool = standin("10.3.0")
     cfg = Config(build=BuildConfig(builder="trtexec", trtexec=str(tool.exe), precision="fp32"))
     run = make_run(cfg)
-    info = json.loads((run.path / build.run(cfg, run, log=lambda _: None).outputs["build_info"]).read_text())
+    info = json.loads((run.path / engines.run(cfg, run, log=lambda _: None).outputs["build_info"]).read_text())
     assert info["verification"]["plan_version"] == "10.3.0" and info["verification"]["outputs"]["passed"]
     assert info["latency"]["p99_ms"] == 0.8
 
     tool.set(mode="perturb")
     cfg.build.precision = "fp16"
     with pytest.raises(PipelineError, match=r"disagrees with ONNX Runtime .* > 1e-02 \(fp16\)"):
-        build.run(cfg, run, log=lambda _: None)
+        engines.run(cfg, run, log=lambda _: None)

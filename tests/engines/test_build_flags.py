@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.build import flags
-from pipeline.build.flags import Options
-from pipeline.build.profile import Profile
+from pipeline.engines import flags
+from pipeline.engines.flags import Options
+from pipeline.engines.profile import Profile
 from pipeline.errors import PipelineError
 
 PROFILE = Profile((1, 16, 16), opt=8, max=32)

@@ -10,10 +10,19 @@ import asyncio
 from collections.abc import Callable
 
 from pipeline.config import BuildClass
-from pipeline.deploy.inventory import Inventory, SshTarget
-from pipeline.deploy.probe import SOCS, Facts, parse_facts, probe_script
-from pipeline.deploy.ssh import FAILURES, Device, HostKeyRefused
 from pipeline.errors import PipelineError
+from pipeline.files import first_line
+from pipeline.fleet.inventory import Inventory, SshTarget
+from pipeline.fleet.probe import SOCS, Facts, parse_facts, probe_script
+from pipeline.fleet.ssh import FAILURES, Device, HostKeyRefused
+
+
+def device_class(sm: str | None, trt_version: str | None) -> str:
+    """This host's class, `local-<sm>-trt<version>` when both are known, else plain "local" (an engine of unknown
+    provenance). Devices name theirs from the probe (`Facts.device_class`)."""
+    if sm and trt_version:
+        return f"local-{sm}-trt{trt_version}"
+    return "local"
 
 
 def from_facts(facts: Facts, target: str) -> BuildClass:
@@ -45,7 +54,7 @@ def from_inventory(inventory: Inventory, log: Callable[[str], None] = print) -> 
     classes: dict[str, BuildClass] = {}
     for target, facts in zip(inventory.targets, asyncio.run(probe_all()), strict=True):
         if isinstance(facts, (*FAILURES, HostKeyRefused, PipelineError)):
-            why = str(facts).splitlines()[0] if str(facts) else type(facts).__name__
+            why = first_line(facts)
             log(f"[build] {target.name}: not probed ({why})")
             continue
         if isinstance(facts, BaseException):

@@ -11,13 +11,13 @@ from typing import Any
 import onnx
 import pytest
 
-from pipeline import build
-from pipeline.build import verify
-from pipeline.build.detect import python_api_problem
+from pipeline import engines
 from pipeline.config import BuildClass, BuildConfig, Config, ExportConfig
+from pipeline.engines import verify
 from pipeline.errors import PipelineError
+from pipeline.host import python_api_problem
 from pipeline.manifest import RunDir
-from tests.build.standins import StandinTrtexec
+from tests.engines.standins import StandinTrtexec
 
 MakeRun = Callable[[Config], RunDir]
 QUIET = {"log": lambda _: None}
@@ -50,7 +50,7 @@ def test_class_build_verifies_against_onnx_runtime(
     tool = standin("10.3.0")
     cfg = config(tmp_path, klass(tool, workspace_mb=256, opt_level=4))
     run = make_run(cfg)
-    result = build.run(cfg, run, **QUIET)
+    result = engines.run(cfg, run, **QUIET)
 
     assert result.status == "done"
     assert result.outputs["engine"] == f"engines/{ORIN}/model.plan" == result.outputs[f"engine:{ORIN}"]
@@ -82,12 +82,12 @@ def test_engine_cache_hits_and_misses(make_run: MakeRun, standin: Callable[..., 
     tool = standin("10.3.0")
     cfg = config(tmp_path, klass(tool), verify=False)  # verification has its own tests; this one counts builds
     run = make_run(cfg)
-    build.run(cfg, run, **QUIET)
+    engines.run(cfg, run, **QUIET)
     engine = (run.path / f"engines/{ORIN}/model.plan").read_bytes()
     assert len(tool.builds()) == 1
 
     (run.path / f"engines/{ORIN}/model.plan").unlink()  # a new run dir: nothing but the cache has the engine
-    again = build.run(cfg, run, **QUIET)
+    again = engines.run(cfg, run, **QUIET)
     assert len(tool.builds()) == 1, "a cache hit must not build"
     assert again.metrics["classes"][ORIN]["cache"] == "hit" and again.metrics["cache_hits"] == 1
     assert (run.path / f"engines/{ORIN}/model.plan").read_bytes() == engine
@@ -104,21 +104,21 @@ def test_engine_cache_hits_and_misses(make_run: MakeRun, standin: Callable[..., 
     ]
     for n, change in enumerate(changes, start=2):
         change()
-        assert build.run(cfg, run, **QUIET).metrics["classes"][ORIN]["cache"] == "miss"
+        assert engines.run(cfg, run, **QUIET).metrics["classes"][ORIN]["cache"] == "miss"
         assert len(tool.builds()) == n
     assert (tmp_path / f"engine-cache/{ORIN}/timing.cache").read_text() == "timing entry\n" * len(tool.builds())
 
     cfg.build.verify = True  # an unverified entry is not good enough once verification is on
-    assert build.run(cfg, run, **QUIET).metrics["classes"][ORIN]["cache"] == "miss"
-    assert build.run(cfg, run, **QUIET).metrics["classes"][ORIN]["cache"] == "hit"
+    assert engines.run(cfg, run, **QUIET).metrics["classes"][ORIN]["cache"] == "miss"
+    assert engines.run(cfg, run, **QUIET).metrics["classes"][ORIN]["cache"] == "hit"
 
     cfg.build.verify = False
     tool.set(version="10.3.1")  # a TensorRT patch release on the builder: another key
-    assert build.run(cfg, run, **QUIET).metrics["classes"][ORIN]["cache"] == "miss"
+    assert engines.run(cfg, run, **QUIET).metrics["classes"][ORIN]["cache"] == "miss"
     renamed = config(tmp_path, klass(tool, name="orin-nx-sm87-trt10.3.1"), verify=False)
     renamed.build.precision, renamed.build.opt_level, renamed.build.workspace_mb = "fp32", 2, 128
     renamed.export.opt_batch = 4
-    assert build.run(renamed, run, **QUIET).metrics["classes"]["orin-nx-sm87-trt10.3.1"]["cache"] == "miss"
+    assert engines.run(renamed, run, **QUIET).metrics["classes"]["orin-nx-sm87-trt10.3.1"]["cache"] == "miss"
 
 
 def test_tensorrt_11_builds_the_typed_variant_without_precision_flags(
@@ -128,7 +128,7 @@ def test_tensorrt_11_builds_the_typed_variant_without_precision_flags(
     name = "thor-sm110-trt11.0.0"
     cfg = config(tmp_path, klass(tool, name=name, tensorrt="11.0"), precision="int8")
     run = make_run(cfg)
-    assert build.run(cfg, run, **QUIET).status == "done"
+    assert engines.run(cfg, run, **QUIET).status == "done"
     args = tool.builds()[0]
     assert any(a.startswith("--onnx=") and a.endswith("/model.onnx") for a in args)  # as placed by the runner
     built = info(run, name)
@@ -144,7 +144,7 @@ def test_int8_before_11_uses_the_qdq_file_with_int8_flag(
     name = "orin-sm87-trt8.6.2"
     cfg = config(tmp_path, klass(tool, name=name, tensorrt="8.6.2"), precision="int8")
     run = make_run(cfg)
-    build.run(cfg, run, **QUIET)
+    engines.run(cfg, run, **QUIET)
     built = info(run, name)
     assert built["onnx"] == "onnx/model.int8.onnx" and "--int8" in tool.builds()[0]
     assert "plan_version" not in built["verification"]  # --getPlanVersionOnly does not exist before 10
@@ -165,7 +165,7 @@ def test_failing_build_surfaces_trtexec_error(
     cfg = config(tmp_path, klass(tool))
     run = make_run(cfg)
     with pytest.raises(PipelineError) as err:
-        build.run(cfg, run, **QUIET)
+        engines.run(cfg, run, **QUIET)
     assert line in str(err.value) and "\n" not in str(err.value)
     assert f"engines/{ORIN}/build-failed.log" in str(err.value)
     assert not (run.path / f"engines/{ORIN}/model.plan").exists()
@@ -189,10 +189,10 @@ def test_failed_verification_publishes_and_caches_nothing(
     cfg = config(tmp_path, klass(tool))
     run = make_run(cfg)
     with pytest.raises(PipelineError, match=message):
-        build.run(cfg, run, **QUIET)
+        engines.run(cfg, run, **QUIET)
     assert not (run.path / f"engines/{ORIN}/model.plan").exists()
     tool.set(mode="ok")
-    assert build.run(cfg, run, **QUIET).metrics["classes"][ORIN]["cache"] == "miss"  # nothing bad was cached
+    assert engines.run(cfg, run, **QUIET).metrics["classes"][ORIN]["cache"] == "miss"  # nothing bad was cached
 
 
 def test_classes_not_built_here_are_reported_with_reasons(
@@ -206,7 +206,7 @@ def test_classes_not_built_here_are_reported_with_reasons(
         {"name": "nano", "tensorrt": "8.2", "trtexec": str(tmp_path / "absent")},
     )
     run = make_run(cfg)
-    result = build.run(cfg, run, **QUIET)
+    result = engines.run(cfg, run, **QUIET)
     assert result.status == "skipped"
     rows = result.metrics["classes"]
     assert rows[ORIN]["status"] == "not built" and rows[ORIN]["reason"] == (
@@ -227,7 +227,7 @@ def test_without_sample_outputs_stay_unchecked(
     cfg = config(tmp_path, klass(tool))
     run = make_run(cfg)
     (run.path / "onnx/sample.npz").unlink()
-    build.run(cfg, run, **QUIET)
+    engines.run(cfg, run, **QUIET)
     assert info(run)["verification"]["outputs"] == {
         "checked": False,
         "reason": "onnx/sample.npz is missing (export stage writes it)",
@@ -268,12 +268,12 @@ def test_latency_summary_parsing_ignores_h2d_lines():
 @pytest.mark.gpu
 @pytest.mark.skipif(python_api_problem() is not None, reason=f"TensorRT Python API unusable: {python_api_problem()}")
 def test_python_api_class_builds_a_real_engine(make_run: MakeRun, tmp_path: Path):
-    from pipeline.build.device import local_sm
-    from pipeline.build.python_api import tensorrt_version
+    from pipeline.engines.python_api import tensorrt_version
+    from pipeline.host import local_sm
 
     name = f"local-{local_sm()}-trt{tensorrt_version()}"
     cfg = config(tmp_path, {"name": name, "tensorrt": tensorrt_version(), "builder": "python"}, precision="fp16")
     run = make_run(cfg)
-    result = build.run(cfg, run, **QUIET)
+    result = engines.run(cfg, run, **QUIET)
     assert result.metrics["classes"][name]["status"] == "built"
     assert (run.path / f"engines/{name}/model.plan").stat().st_size > 1000

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import build
-from pipeline.build.classes import from_facts
+from pipeline import engines
 from pipeline.config import BuildConfig, Config, DeployConfig, ExportConfig
-from pipeline.deploy.probe import Facts
 from pipeline.errors import PipelineError
+from pipeline.fleet.classes import from_facts
+from pipeline.fleet.probe import Facts
 from pipeline.manifest import RunDir
 from tests.harness import XAVIER_NX_JP513, TargetSpec, fixtures
 from tests.harness.standin_tools import read_plan
@@ -42,7 +42,7 @@ def test_fleet_classes_are_built_on_their_devices(make_run: MakeRun, jetson_flee
         deploy=DeployConfig(inventory=fleet.write_inventory()),
     )
     run = make_run(cfg)
-    result = build.run(cfg, run, **QUIET)
+    result = engines.run(cfg, run, **QUIET)
 
     assert result.status == "done" and set(result.metrics["classes"]) == {ORIN, XAVIER}
     onnx_sha = hashlib.sha256((run.path / "onnx/model.onnx").read_bytes()).hexdigest()
@@ -67,7 +67,7 @@ def test_fleet_classes_are_built_on_their_devices(make_run: MakeRun, jetson_flee
     assert orin["verified"] and orin["latency"]["median_ms"] == 1.22 and orin["latency"]["throughput_qps"] == 812.4
 
     builds = len(fleet["orin-01"].standins.calls("trtexec"))
-    again = build.run(cfg, run, **QUIET)
+    again = engines.run(cfg, run, **QUIET)
     assert again.metrics["cache_hits"] == 2 and len(fleet["orin-01"].standins.calls("trtexec")) == builds
 
     fleet["orin-01"].standins.set_trtexec(
@@ -76,4 +76,4 @@ def test_fleet_classes_are_built_on_their_devices(make_run: MakeRun, jetson_flee
     cfg.build.workspace_mb = 256  # a new key: must build, and fails
     failed = r"orin-sm87-trt10\.3\.0: build: trtexec on device orin-01 exited with status 1: .*Error\[2\]: Requested"
     with pytest.raises(PipelineError, match=failed):
-        build.run(cfg, run, **QUIET)
+        engines.run(cfg, run, **QUIET)

@@ -17,7 +17,7 @@ from typing import Any
 
 import asyncssh
 
-from pipeline.deploy.inventory import SshTarget
+from pipeline.fleet.inventory import SshTarget
 
 FAILURES = (OSError, asyncssh.Error, asyncio.TimeoutError)
 CONNECT_TIMEOUT_S = 15

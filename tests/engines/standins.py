@@ -1,4 +1,4 @@
-"""Test-side handle of the version-aware stand-in trtexec (tests/build/standin_trtexec.py)."""
+"""Test-side handle of the version-aware stand-in trtexec (tests/engines/standin_trtexec.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 @dataclass
 class StandinTrtexec:
-    """A version-aware stand-in trtexec (tests/build/standin_trtexec.py) and its state directory."""
+    """A version-aware stand-in trtexec (tests/engines/standin_trtexec.py) and its state directory."""
 
     exe: Path
     state: Path

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.build import trtexec
+from pipeline.engines import trtexec
 from pipeline.errors import PipelineError
 
 

@@ -15,7 +15,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-ENTRY_FILES = ("model.plan", "build.json")
+from pipeline.layout import BUILD_INFO, PLAN
+
+ENTRY_FILES = (PLAN, BUILD_INFO)
 
 
 def engine_key(parts: dict[str, Any]) -> str:

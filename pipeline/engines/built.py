@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipeline.layout import ONNX
+
 
 @dataclass(frozen=True)
 class Built:
@@ -15,7 +17,7 @@ class Built:
     """Whether the FP16 builder flag was set (never on TensorRT >= 11, which is strongly typed)."""
     command: list[str] | None = None
     """The trtexec command line; None for the Python API."""
-    onnx: str = "onnx/model.onnx"
+    onnx: str = ONNX
     """Run-dir-relative ONNX file the engine was built from."""
     precision_flags: list[str] = field(default_factory=list)
     """Precision flags passed (`--fp16`, `--int8`, or BuilderFlag names); none on TensorRT >= 11."""

@@ -11,11 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.build.profile import Profile
+from pipeline.engines.profile import Profile
 from pipeline.errors import PipelineError
-
-ONNX_DIR = "onnx"
-_VARIANT = {"fp32": "model.onnx", "fp16": "model.fp16.onnx", "int8": "model.int8.onnx"}
+from pipeline.layout import onnx_path
 
 
 def version_tuple(version: str | None) -> tuple[int, int]:
@@ -62,15 +60,15 @@ def plan(version: str | None, options: Options, run_path: Path) -> Plan:
     major = version_tuple(version)[0]
     precision = options.precision
     if major >= 11:
-        rel = f"{ONNX_DIR}/{_VARIANT[precision]}"
+        rel = onnx_path(precision)
         _require(run_path, rel, precision, f"TensorRT {version} is strongly typed")
         return Plan(rel, [], strongly_typed=True)
     if precision == "int8":
-        rel = f"{ONNX_DIR}/{_VARIANT['int8']}"
+        rel = onnx_path("int8")
         _require(run_path, rel, precision, "int8 engines are built from the explicit Q/DQ graph")
         return Plan(rel, ["--int8"], strongly_typed=False)
     flags = ["--fp16"] if precision == "fp16" else []
-    return Plan(f"{ONNX_DIR}/{_VARIANT['fp32']}", flags, strongly_typed=False)
+    return Plan(onnx_path("fp32"), flags, strongly_typed=False)
 
 
 def _require(run_path: Path, rel: str, precision: str, why: str) -> None:

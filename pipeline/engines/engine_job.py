@@ -11,16 +11,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.build import flags, verify
-from pipeline.build.built import Built
-from pipeline.build.flags import Options
-from pipeline.build.profile import Profile
-from pipeline.build.runners import Runner
-from pipeline.build.trtexec import last_error, parse_sm, parse_version
+from pipeline.engines import flags, verify
+from pipeline.engines.built import Built
+from pipeline.engines.flags import Options
+from pipeline.engines.profile import Profile
+from pipeline.engines.runners import Runner
+from pipeline.engines.trtexec import last_error, parse_sm, parse_version
 from pipeline.errors import PipelineError
-from pipeline.manifest import sha256_file
+from pipeline.files import sha256_file
+from pipeline.layout import PLAN, SAMPLE
 
-PLAN = "model.plan"
 CACHE = "timing.cache"
 LOG = "trtexec.log"
 
@@ -97,7 +97,7 @@ async def _plan_version(runner: Runner, job: Job) -> str:
 async def _outputs(runner: Runner, job: Job, expected: Any) -> dict[str, Any]:
     """Compare the exported outputs with ONNX Runtime's; a trtexec that exported nothing leaves them unchecked."""
     if expected is None:
-        return {"checked": False, "reason": "onnx/sample.npz is missing (export stage writes it)"}
+        return {"checked": False, "reason": f"{SAMPLE} is missing (export stage writes it)"}
     if not await runner.get("output.json", job.staging / "output.json"):
         return {"checked": False, "reason": f"trtexec on {runner.where} wrote no --exportOutput file"}
     try:

@@ -1,6 +1,6 @@
 """The build stage: TensorRT engines published under `engines/<class>/`, one per device class.
 
-Without `build.classes` it builds for this host's class (pipeline.build.fleet handles declared classes). An engine
+Without `build.classes` it builds for this host's class (pipeline.engines.fleet handles declared classes). An engine
 is built in a staging directory, verified, and moved into place only when all of that succeeded, so a failed or
 interrupted build never replaces a good engine. Without TensorRT the stage is skipped, never faked.
 """
@@ -19,24 +19,23 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from pipeline.build import engine_job, fleet, python_api, trtexec
-from pipeline.build.built import Built
-from pipeline.build.classes import from_inventory
-from pipeline.build.detect import Choice, choose
-from pipeline.build.device import device_class, local_sm
-from pipeline.build.engine_job import Job
-from pipeline.build.flags import Options
-from pipeline.build.profile import Profile, input_profile
-from pipeline.build.runners import Local
 from pipeline.config import BuildClass, Config
-from pipeline.deploy.inventory import load_inventory
+from pipeline.engines import engine_job, fleet, python_api, trtexec
+from pipeline.engines.built import Built
+from pipeline.engines.detect import Choice, choose
+from pipeline.engines.engine_job import Job
+from pipeline.engines.flags import Options
+from pipeline.engines.profile import Profile, input_profile
+from pipeline.engines.runners import Local
 from pipeline.errors import PipelineError
-from pipeline.manifest import RunDir, StageResult, run_stage, sha256_file, write_json
+from pipeline.files import sha256_file, write_json
+from pipeline.fleet.classes import device_class, from_inventory
+from pipeline.fleet.inventory import load_inventory
+from pipeline.host import local_sm
+from pipeline.layout import BUILD_INFO, CLASSES, ENGINES, ONNX, PLAN, SAMPLE
+from pipeline.manifest import RunDir, StageResult, run_stage
 
-ONNX = "onnx/model.onnx"
-ENGINES = "engines"
 FAILED_LOG = "build-failed.log"
-CLASSES = "engines/classes.json"
 
 
 @dataclass(frozen=True)
@@ -107,12 +106,12 @@ def _body(cfg: Config, run: RunDir, host: Host, log: Callable[[str], None]) -> S
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     (engines / FAILED_LOG).unlink(missing_ok=True)
-    engine = dest / "model.plan"
+    engine = dest / PLAN
     log(f"[build] {host.choice.builder}: {_rel(engine, run)} ({engine.stat().st_size / 1e6:.1f} MB)")
     return StageResult(
         "build",
         "done",
-        outputs={"engine": _rel(engine, run), "build_info": _rel(dest / "build.json", run)},
+        outputs={"engine": _rel(engine, run), "build_info": _rel(dest / BUILD_INFO, run)},
         metrics={
             "engine_mb": round(engine.stat().st_size / 1e6, 6),
             "engine_bytes": engine.stat().st_size,
@@ -146,7 +145,7 @@ def _verify_here(
         return {"checked": False, "reason": why}
     options = Options(cfg.build.precision, cfg.build.workspace_mb, cfg.build.opt_level)
     job = Job(klass, run.path, staging, profile, options, built.tensorrt_version or "", cfg.build.timeout_s)
-    sample = run.path / fleet.SAMPLE
+    sample = run.path / SAMPLE
     return asyncio.run(engine_job.check(Local(exe, staging), job, sample if sample.is_file() else None))
 
 
@@ -194,10 +193,10 @@ def _build_info(
 def _publish(staging: Path, dest: Path, info: dict[str, Any]) -> Path:
     """Move the built files into `dest` (one rename each) and write build.json last, as the completion mark."""
     dest.mkdir(parents=True, exist_ok=True)
-    for src, name in (("model.plan", "model.plan"), ("timing.cache", "timing.cache"), ("trtexec.log", "build.log")):
+    for src, name in ((PLAN, PLAN), ("timing.cache", "timing.cache"), ("trtexec.log", "build.log")):
         if (staging / src).is_file():
             os.replace(staging / src, dest / name)
-    write_json(dest / "build.json", info)
+    write_json(dest / BUILD_INFO, info)
     return dest
 
 

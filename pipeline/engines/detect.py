@@ -8,6 +8,7 @@ from typing import Literal
 
 from pipeline.config import BuildConfig
 from pipeline.errors import PipelineError
+from pipeline.host import python_api_problem
 
 Builder = Literal["python", "trtexec"]
 
@@ -20,33 +21,6 @@ class Choice:
     trtexec: str | None = None
     """Resolved path of trtexec when `builder == "trtexec"`."""
     reason: str = ""
-
-
-def tensorrt_import_error() -> str | None:
-    """None when `import tensorrt` works, else the error in one line."""
-    try:
-        import tensorrt  # noqa: F401
-    # A broken install fails with OSError (missing libnvinfer) or RuntimeError (CUDA), not only ImportError.
-    except (ImportError, OSError, RuntimeError) as err:
-        return f"{type(err).__name__}: {err}".splitlines()[0]
-    return None
-
-
-def cuda_present() -> bool:
-    """Whether a CUDA GPU is usable from this process."""
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def python_api_problem() -> str | None:
-    """None when the TensorRT Python API can build here, else why not."""
-    error = tensorrt_import_error()
-    if error is not None:
-        return f"`import tensorrt` failed ({error})"
-    if not cuda_present():
-        return "`import tensorrt` works but no CUDA GPU is present"
-    return None
 
 
 def choose(cfg: BuildConfig) -> Choice:

@@ -17,24 +17,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.build import cache, engine_job, python_api, trtexec
-from pipeline.build.built import Built
-from pipeline.build.detect import python_api_problem
-from pipeline.build.device import local_sm
-from pipeline.build.engine_job import Job
-from pipeline.build.flags import Options
-from pipeline.build.flags import plan as onnx_plan
-from pipeline.build.profile import Profile
-from pipeline.build.runners import Local, Remote
-from pipeline.build.verify import same_version
 from pipeline.config import BuildClass, Config
-from pipeline.deploy.inventory import SshTarget, load_inventory
-from pipeline.deploy.probe import SOCS, parse_facts, probe_script
-from pipeline.deploy.ssh import FAILURES, Device, HostKeyRefused
+from pipeline.engines import cache, engine_job, python_api, trtexec
+from pipeline.engines.built import Built
+from pipeline.engines.engine_job import Job
+from pipeline.engines.flags import Options
+from pipeline.engines.flags import plan as onnx_plan
+from pipeline.engines.profile import Profile
+from pipeline.engines.runners import Local, Remote
+from pipeline.engines.verify import same_version
 from pipeline.errors import PipelineError
-from pipeline.manifest import RunDir, read_json, sha256_file, write_json
+from pipeline.files import read_json, sha256_file, write_json
+from pipeline.fleet.inventory import SshTarget, load_inventory
+from pipeline.fleet.probe import SOCS, parse_facts, probe_script
+from pipeline.fleet.ssh import FAILURES, Device, HostKeyRefused
+from pipeline.host import local_sm, python_api_problem
+from pipeline.layout import BUILD_INFO, ENGINES, PLAN, SAMPLE, engine_dir
+from pipeline.manifest import RunDir
 
-SAMPLE = "onnx/sample.npz"
 NOT_BUILT = "not built"
 
 
@@ -54,7 +54,7 @@ class Context:
     @property
     def engines(self) -> Path:
         """engines/ of the run."""
-        return self.run.path / "engines"
+        return self.run.path / ENGINES
 
 
 def options_for(cfg: Config, klass: BuildClass) -> Options:
@@ -184,18 +184,18 @@ def _reuse(ctx: Context, klass: BuildClass, version: str, options: Options) -> d
         return None  # built with build.verify = false: rebuild so that it is verified
     dest = ctx.engines / klass.name
     dest.mkdir(parents=True, exist_ok=True)
-    tmp = dest / f".model.plan.{os.getpid()}.tmp"
-    shutil.copyfile(entry / "model.plan", tmp)
-    os.replace(tmp, dest / "model.plan")
-    write_json(dest / "build.json", info)
+    tmp = dest / f".{PLAN}.{os.getpid()}.tmp"
+    shutil.copyfile(entry / PLAN, tmp)
+    os.replace(tmp, dest / PLAN)
+    write_json(dest / BUILD_INFO, info)
     ctx.log(f"[build] {klass.name}: engine cache hit ({key})")
     return _row(ctx, info, "cached")
 
 
 def _read_info(entry: Path) -> dict[str, Any]:
-    info = read_json(entry / "build.json")
+    info = read_json(entry / BUILD_INFO)
     if not isinstance(info, dict):
-        raise PipelineError(f"{entry / 'build.json'}: not a JSON object (delete the entry)")
+        raise PipelineError(f"{entry / BUILD_INFO}: not a JSON object (delete the entry)")
     return info
 
 
@@ -257,24 +257,24 @@ def _publish(ctx: Context, klass: BuildClass, job: Job, built: Built, checks: di
         "command": shlex.join(built.command) if built.command else None,
         "notes": built.notes,
         "onnx_sha256": key_dict["onnx_sha256"],
-        "engine_sha256": sha256_file(job.staging / engine_job.PLAN),
+        "engine_sha256": sha256_file(job.staging / PLAN),
         "cache_key": cache.engine_key(key_dict),
         "verification": checks,
         "latency": checks.get("latency", {}),
     }
-    write_json(job.staging / "build.json", info)
-    files = {"model.plan": job.staging / engine_job.PLAN, "build.json": job.staging / "build.json"}
+    write_json(job.staging / BUILD_INFO, info)
+    files = {PLAN: job.staging / PLAN, BUILD_INFO: job.staging / BUILD_INFO}
     cache.store(ctx.cfg.build.cache_dir, klass.name, info["cache_key"], files)
     cache.keep_timing_cache(job.staging / engine_job.CACHE, ctx.cfg.build.cache_dir, klass.name)
     dest = ctx.engines / klass.name
     dest.mkdir(parents=True, exist_ok=True)
-    for src, name in (("model.plan", "model.plan"), ("timing.cache", "timing.cache"), ("trtexec.log", "build.log")):
+    for src, name in ((PLAN, PLAN), ("timing.cache", "timing.cache"), ("trtexec.log", "build.log")):
         if (job.staging / src).is_file():
             os.replace(job.staging / src, dest / name)
     (dest / "build-failed.log").unlink(missing_ok=True)
     info["cache"] = "miss"
-    write_json(dest / "build.json", info)
-    ctx.log(f"[build] {klass.name}: built ({(dest / 'model.plan').stat().st_size / 1e6:.2f} MB), cache miss")
+    write_json(dest / BUILD_INFO, info)
+    ctx.log(f"[build] {klass.name}: built ({(dest / PLAN).stat().st_size / 1e6:.2f} MB), cache miss")
     return _row(ctx, info, "built")
 
 
@@ -284,8 +284,8 @@ def _row(ctx: Context, info: dict[str, Any], status: str) -> dict[str, Any]:
         "status": status,
         "cache": info["cache"],
         "tensorrt_version": info["tensorrt_version"],
-        "engine": f"engines/{klass}/model.plan",
-        "build_info": f"engines/{klass}/build.json",
+        "engine": f"{engine_dir(klass)}/{PLAN}",
+        "build_info": f"{engine_dir(klass)}/{BUILD_INFO}",
         "verified": bool(info.get("verification", {}).get("loads")),
         "latency": info.get("latency", {}),
     }

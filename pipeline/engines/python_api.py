@@ -6,12 +6,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline.build import flags
-from pipeline.build.built import Built
-from pipeline.build.device import local_sm
-from pipeline.build.flags import Options
-from pipeline.build.profile import Profile
+from pipeline.engines import flags
+from pipeline.engines.built import Built
+from pipeline.engines.flags import Options
+from pipeline.engines.profile import Profile
 from pipeline.errors import PipelineError
+from pipeline.host import local_sm
+from pipeline.layout import PLAN
 
 
 def tensorrt_version() -> str:
@@ -59,7 +60,7 @@ def build(
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise PipelineError(f"{onnx}: TensorRT {version} failed to build an engine (see its log above)")
-    (staging / "model.plan").write_bytes(bytes(serialized))
+    (staging / PLAN).write_bytes(bytes(serialized))
     cache_path.write_bytes(bytes(config.get_timing_cache().serialize()))
     fp16 = "FP16" in wanted["builder"]
     return Built(version, local_sm(), fp16, None, chosen.onnx, wanted["builder"], notes)

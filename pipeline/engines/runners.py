@@ -14,10 +14,10 @@ from typing import Protocol
 
 import asyncssh
 
-from pipeline.build.trtexec import run_logged
-from pipeline.deploy.ssh import FAILURES, Device
+from pipeline.engines.trtexec import run_logged
 from pipeline.errors import PipelineError
-from pipeline.manifest import sha256_file
+from pipeline.files import sha256_file
+from pipeline.fleet.ssh import FAILURES, Device
 
 TIMEOUT_STATUS = 124
 """Exit status of `timeout` (coreutils) when it stopped the command."""
@@ -87,7 +87,7 @@ class Local:
 
 
 class Remote:
-    """trtexec on a device over SSH (pipeline.deploy.ssh.Device); the work directory is a temp dir there."""
+    """trtexec on a device over SSH (pipeline.fleet.ssh.Device); the work directory is a temp dir there."""
 
     def __init__(self, device: Device, exe: str, workdir: str) -> None:
         self.device = device

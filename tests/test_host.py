@@ -1,11 +1,10 @@
-"""nvidia-smi readings, against a stand-in `nvidia-smi` (the real one needs an NVIDIA driver)."""
+"""Host facts from nvidia-smi, against a stand-in `nvidia-smi` (the real one needs an NVIDIA driver)."""
 
 from pathlib import Path
 
 import pytest
 
-from pipeline import nvidia_smi
-from pipeline.build import device
+from pipeline import host
 from pipeline.train import thermal
 
 STANDIN = """#!/bin/sh
@@ -27,13 +26,13 @@ def standin_nvidia_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_readings_from_nvidia_smi(standin_nvidia_smi: None):
-    assert nvidia_smi.query("compute_cap") == ["8.7", "8.7"]
-    assert nvidia_smi.query("power.draw") == []  # a failing query is "no reading", not an error
-    assert device._nvidia_smi_sm() == "sm87"
+    assert host.nvidia_smi("compute_cap") == ["8.7", "8.7"]
+    assert host.nvidia_smi("power.draw") == []  # a failing query is "no reading", not an error
+    assert host.nvidia_smi_sm() == "sm87"
     assert thermal._nvidia_smi() == 67.0  # the hottest GPU
 
 
 def test_no_nvidia_smi_means_no_reading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("PATH", str(tmp_path))
-    assert nvidia_smi.query("compute_cap") == []
-    assert device._nvidia_smi_sm() is None and thermal._nvidia_smi() is None
+    assert host.nvidia_smi("compute_cap") == []
+    assert host.nvidia_smi_sm() is None and thermal._nvidia_smi() is None

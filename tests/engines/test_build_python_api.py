@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from pipeline.build import python_api
-from pipeline.build.flags import Options
-from pipeline.build.profile import Profile
+from pipeline.engines import python_api
+from pipeline.engines.flags import Options
+from pipeline.engines.profile import Profile
 from pipeline.errors import PipelineError
 
 

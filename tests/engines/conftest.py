@@ -16,7 +16,7 @@ from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantTy
 
 from pipeline.config import Config
 from pipeline.manifest import RunDir, create_run_dir
-from tests.build.standins import StandinTrtexec
+from tests.engines.standins import StandinTrtexec
 
 
 class _Calibration(CalibrationDataReader):

@@ -1,5 +1,5 @@
 """Build stage: a verified TensorRT engine per device class, or an honest skip (with reasons) where none is built."""
 
-from pipeline.build.stage import run
+from pipeline.engines.stage import run
 
 __all__ = ["run"]

@@ -12,8 +12,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipeline.config import read_toml
-from pipeline.deploy.release import safe_name
 from pipeline.errors import PipelineError
+from pipeline.fleet.names import safe_name
 
 
 class _Strict(BaseModel):

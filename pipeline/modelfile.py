@@ -1,0 +1,71 @@
+"""The `model/` directory: `model.safetensors` plus `model.json`, written by consolidate and read by export.
+
+model.json is what every later stage (and the device) knows about the model: architecture, class names, the input
+layout and normalisation, the validation accuracy and where the weights came from.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from models import MODELS, build_model
+from pipeline.errors import PipelineError
+from pipeline.files import read_json, write_json
+from pipeline.layout import MODEL_JSON_NAME, WEIGHTS_NAME
+
+
+def write_model(model_dir: Path, state: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    """Write the weights (one rename, tagged with the architecture) and then model.json into `model_dir`."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    tmp = model_dir / f".{WEIGHTS_NAME}.{os.getpid()}.tmp"
+    tags = {"format": "pt", "architecture": meta["architecture"], "num_classes": str(meta["num_classes"])}
+    try:
+        save_file({k: t.detach().contiguous() for k, t in state.items()}, str(tmp), metadata=tags)
+        os.replace(tmp, model_dir / WEIGHTS_NAME)
+    finally:
+        tmp.unlink(missing_ok=True)
+    write_json(model_dir / MODEL_JSON_NAME, meta)
+
+
+def load_model(model_dir: Path) -> tuple[nn.Module, dict[str, Any]]:
+    """The consolidated model in eval mode, loaded strictly from `model_dir`, and its model.json."""
+    meta_path, weights = model_dir / MODEL_JSON_NAME, model_dir / WEIGHTS_NAME
+    meta = read_json(meta_path)
+    arch, num_classes, channels = _model_spec(meta, meta_path)
+    model = build_model(arch, num_classes, channels)
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError) as err:
+        raise PipelineError(f"{weights}: cannot read weights: {err}") from None
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        raise PipelineError(f"{weights}: does not fit {arch} in {meta_path.name}: {_first_detail(err)}") from None
+    return model.eval(), meta
+
+
+def _model_spec(meta: Any, path: Path) -> tuple[str, int, int]:
+    """(architecture, num_classes, channels) from model.json, after checking the fields later stages read."""
+    try:
+        arch, num_classes, spec = meta["architecture"], int(meta["num_classes"]), meta["input"]
+        height, width, channels = int(spec["height"]), int(spec["width"]), int(spec["channels"])
+        if len(meta["classes"]) != num_classes or min(height, width, channels) < 1:
+            raise ValueError("classes/num_classes/input sizes disagree")
+    except (KeyError, TypeError, ValueError) as err:
+        raise PipelineError(f"{path}: missing or invalid field: {err}") from None
+    if arch not in MODELS:
+        raise PipelineError(f"{path}: unknown architecture {arch!r} (known: {', '.join(MODELS)})")
+    return arch, num_classes, channels
+
+
+def _first_detail(err: RuntimeError) -> str:
+    # load_state_dict puts a generic header on the first line and the useful part on the next.
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[1] if len(lines) > 1 else lines[0] if lines else type(err).__name__
