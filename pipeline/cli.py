@@ -44,6 +44,24 @@ def log_to_stderr(message: str) -> None:
     err_console.print(message, markup=False, highlight=False)
 
 
+def _version(value: bool) -> None:
+    if value:
+        from pipeline.version import describe
+
+        print(describe())
+        raise typer.Exit()
+
+
+@app.callback()
+def options(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print version and source revision, exit."),
+    ] = False,
+) -> None:
+    """Options of `pipeline` itself, before any command (its help text is the app's)."""
+
+
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML config (default: quickstart).")]
 RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="Run directory (default: new, in run.runs_root).")]
 ExistingRunDir = Annotated[Path, typer.Option("--run-dir", help="Run directory made by an earlier stage.")]
