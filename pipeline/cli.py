@@ -248,8 +248,8 @@ def deploy_status(
     wide: WideOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Show what each target runs now: release, device class and temperature (--wide: previous release, board,
-    L4T, JetPack, TensorRT, free space). Exits 1 when a device cannot be reached."""
+    """Show what each target runs now: its release, and over SSH its device class and temperature (--wide: previous
+    release, board, L4T, JetPack, TensorRT, free space). With an inventory, exits 1 when a device is unreachable."""
     from pipeline.config import load_config
 
     path = _inventory(config, set_, inventory)
@@ -301,7 +301,7 @@ def _exit_if(rows: list[dict], ok: tuple[str, ...]) -> None:
 RUN_COLUMNS = (
     Col("run"),
     Col("val_accuracy", "val acc", fmt=lambda acc: "-" if acc is None else f"{acc:.4f}", justify="right"),
-    Col("last_stage", "last stage"),
+    Col("last_stage", "last stage", fmt=lambda last: last or "-"),
     *(Col(stage, wide=True, fmt=lambda status: status or "-") for stage in STAGES),
     Col("path", wide=True),
     Col("note", text=True),
@@ -328,10 +328,10 @@ def runs_list(
             {
                 "run": record.run_id,
                 "val_accuracy": record.val_accuracy,
-                "last_stage": f"{last} {statuses[last]}" if last else "-",
+                "last_stage": f"{last} {statuses[last]}" if last else None,
                 **statuses,
-                "note": "deployed (champion)" if record is champion else record.manifest.get("stopped", ""),
                 "path": str(record.path),
+                "note": "deployed (champion)" if record is champion else record.manifest.get("stopped", ""),
             }
         )
     print_rows(console, rows, RUN_COLUMNS, wide=wide, as_json=as_json)

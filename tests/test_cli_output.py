@@ -118,6 +118,13 @@ def test_runs_list_wide_and_json(runs_root: Path):
     assert rows[2]["note"] == "deployed (champion)" and rows[2]["deploy"] == "done"
 
 
+def test_runs_show_json_is_the_manifest(runs_root: Path):
+    shown = pipeline("runs", "show", str(runs_root / RUN_IDS[1]), "--json", cwd=runs_root.parent)
+    assert shown.returncode == 0, shown.stderr
+    manifest = json.loads(shown.stdout)
+    assert manifest["stopped"] == STOPPED and manifest["stages"]["train"]["metrics"] == {"val_accuracy": 0.965}
+
+
 def test_runs_list_in_a_terminal_too_narrow_for_the_ids_keeps_them_whole(runs_root: Path):
     shown = pipeline("runs", "list", "--root", str(runs_root), cwd=runs_root.parent, columns=40)
     assert shown.returncode == 0, shown.stderr
