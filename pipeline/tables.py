@@ -19,6 +19,7 @@ from typing import Any, Literal
 from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Column, Table
+from rich.text import Text
 
 GAP = 2
 """Cells between two columns (no borders: one space of padding on each side, as kubectl and gh print)."""
@@ -96,7 +97,7 @@ def print_rows(
         width=total if total > console.width else None,
     )
     for row in rows:
-        table.add_row(*(c.fmt(row.get(c.key)) for c in shown))
+        table.add_row(*(Text(c.fmt(row.get(c.key))) for c in shown))  # Text: `[deploy] ...` is not markup
     if title:
         console.print(title, markup=False, highlight=False, soft_wrap=True)
     console.print(table, crop=False)

@@ -264,9 +264,10 @@ def test_free_text_is_shortened_then_optional_columns_left_out_then_the_table_ov
 
 
 def test_below_column_wide_view_and_json(capsys: pytest.CaptureFixture[str]):
-    failed = {"name": "camera-dock-02", "why": "ConnectionRefusedError: connect call failed"}
+    failed = {"name": "camera-dock-02", "note": "[deploy] failed", "why": "ConnectionRefusedError: [bold] failed"}
     text = render([ROW, failed], 80)
-    assert text.splitlines()[-1] == "camera-dock-02: ConnectionRefusedError: connect call failed"
+    assert table_rows(text)[2] == ["camera-dock-02", "[deploy]", "failed"]  # values, not rich markup
+    assert text.splitlines()[-1] == "camera-dock-02: ConnectionRefusedError: [bold] failed"
     wide = render([{**ROW, "extra": "kept"}, failed], 80, wide=True)
     assert table_rows(wide)[0] == ["name", "release", "note", "why", "extra"]  # no row has a temp
     assert "camera-dock-02: " not in wide and "kept" in wide
