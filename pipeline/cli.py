@@ -12,13 +12,13 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from pipeline import report
 from pipeline.config import Config
 from pipeline.errors import PipelineError
 from pipeline.manifest import RunDir
-from pipeline.stages import existing_run, open_run, run_one, run_pipeline
+from pipeline.stages import STAGES, existing_run, open_run, run_one, run_pipeline
+from pipeline.tables import Col, print_rows
 
 app = typer.Typer(
     help="Train-to-deploy pipeline for edge AI.",
@@ -31,11 +31,35 @@ runs_app = typer.Typer(help="Inspect past runs.", no_args_is_help=True)
 app.add_typer(deploy_app, name="deploy")
 app.add_typer(runs_app, name="runs")
 console = Console()
+err_console = Console(stderr=True)  # what --json moves off stdout: progress lines, paths
 
 
 def log(message: str) -> None:
     """Print a stage's progress line as plain text: `[train] ...` is not rich markup."""
     console.print(message, markup=False, highlight=False)
+
+
+def log_to_stderr(message: str) -> None:
+    """`log` for --json, whose stdout holds the JSON and nothing else."""
+    err_console.print(message, markup=False, highlight=False)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from pipeline.version import describe
+
+        print(describe())
+        raise typer.Exit()
+
+
+@app.callback()
+def options(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print version and source revision, exit."),
+    ] = False,
+) -> None:
+    """Options of `pipeline` itself, before any command (its help text is the app's)."""
 
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML config (default: quickstart).")]
@@ -44,6 +68,8 @@ ExistingRunDir = Annotated[Path, typer.Option("--run-dir", help="Run directory m
 SetOpt = Annotated[
     list[str] | None, typer.Option("--set", help="Override a config key: section.key=value (value read as TOML).")
 ]
+WideOpt = Annotated[bool, typer.Option("--wide", "-w", help="Show every column, none shortened.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the rows as JSON (every column), nothing else.")]
 
 
 def _stage_config(config: Path | None, run_dir: Path, overrides: list[str] | None) -> tuple[Config, RunDir]:
@@ -53,30 +79,36 @@ def _stage_config(config: Path | None, run_dir: Path, overrides: list[str] | Non
     return open_run(config, run_dir, overrides)
 
 
-def _show(run: RunDir) -> None:
-    table = Table(title=f"run {run.path}")
-    for col in ("stage", "status", "seconds", "result"):
-        table.add_column(col, justify="right" if col == "seconds" else "left")
-    for row in report.stage_rows(run):
-        seconds = f"{row['seconds']:.1f}" if row["seconds"] is not None else ""
-        table.add_row(row["stage"], row["status"], seconds, row["summary"])
-    console.print(table)
+STAGE_COLUMNS = (
+    Col("stage"),
+    Col("status"),
+    Col("seconds", fmt=lambda s: "" if s is None else f"{s:.1f}", justify="right"),
+    Col("summary", "result", text=True),
+    Col("outputs", wide=True, fmt=lambda outputs: " ".join((outputs or {}).values())),
+)
 
 
 @app.command()
-def run(config: ConfigOpt = None, run_dir: RunDirOpt = None, set_: SetOpt = None) -> None:
+def run(
+    config: ConfigOpt = None,
+    run_dir: RunDirOpt = None,
+    set_: SetOpt = None,
+    wide: WideOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
     """Run every stage: train, consolidate, export, build, deploy. Unchanged stages are skipped as cached.
 
     A model less accurate than the deployed one (beyond retrain.promotion_tolerance) stops before build.
     """
     cfg, rd = open_run(config, run_dir, set_)
-    console.print(f"run directory: [bold]{rd.path}[/bold]")
+    out = err_console if as_json else console
+    out.print(f"run directory: [bold]{rd.path}[/bold]")
     try:
-        run_pipeline(cfg, rd, log=log)
+        run_pipeline(cfg, rd, log=log_to_stderr if as_json else log)
     finally:
         report.write(rd)
-        _show(rd)
-    console.print(f"report: {rd.path / 'report.md'}")
+        print_rows(console, report.stage_rows(rd), STAGE_COLUMNS, wide=wide, as_json=as_json, title=f"run {rd.path}")
+    out.print(f"report: {rd.path / 'report.md'}", markup=False, highlight=False)
 
 
 @app.command()
@@ -160,8 +192,44 @@ def deploy_run(
     run_one("deploy", cfg, rd, log=log)
 
 
+# Default views: what matters most, fitting 80 columns with realistic names (release ids have 29 characters, device
+# classes 19); the rest is in --wide and --json.
+PLAN_COLUMNS = (Col("target"), Col("wave"), Col("host"), Col("root"))
+SSH_STATUS_COLUMNS = (
+    Col("target"),
+    Col("status"),
+    Col("class"),
+    Col("current"),
+    Col("temp", optional=True, justify="right"),
+    *(Col(key, wide=True) for key in ("previous", "model", "l4t", "jetpack", "tensorrt", "free", "seconds")),
+    Col("reason", text=True, below=True),
+)
+LOCAL_STATUS_COLUMNS = (
+    Col("target"),
+    Col("current"),
+    Col("verified", text=True),
+    Col("previous", optional=True),
+    Col("releases", wide=True, justify="right"),
+    Col("root", wide=True),
+)
+ROLLBACK_COLUMNS = (
+    Col("target"),
+    Col("status"),
+    Col("current"),
+    Col("health", text=True),
+    Col("previous", wide=True),
+    Col("reason", text=True, below=True),
+)
+
+
 @deploy_app.command("plan")
-def deploy_plan(inventory: InventoryOpt = None, config: ConfigOpt = None, set_: SetOpt = None) -> None:
+def deploy_plan(
+    inventory: InventoryOpt = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    wide: WideOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
     """Show the rollout order (canary, waves) without touching any device."""
     from pipeline.deploy.rollout import plan_rows
     from pipeline.fleet.inventory import load_inventory
@@ -169,25 +237,32 @@ def deploy_plan(inventory: InventoryOpt = None, config: ConfigOpt = None, set_: 
     path = _inventory(config, set_, inventory)
     if path is None:
         raise PipelineError("deploy plan: needs --inventory (or deploy.inventory in the config)")
-    _print_targets(plan_rows(load_inventory(path)))
+    print_rows(console, plan_rows(load_inventory(path)), PLAN_COLUMNS, wide=wide, as_json=as_json)
 
 
 @deploy_app.command("status")
-def deploy_status(inventory: InventoryOpt = None, config: ConfigOpt = None, set_: SetOpt = None) -> None:
-    """Show what each target runs now (over SSH: model, L4T, JetPack, TensorRT, class, free space, temperature)."""
+def deploy_status(
+    inventory: InventoryOpt = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    wide: WideOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Show what each target runs now: its release, and over SSH its device class and temperature (--wide: previous
+    release, board, L4T, JetPack, TensorRT, free space). With an inventory, exits 1 when a device is unreachable."""
     from pipeline.config import load_config
 
     path = _inventory(config, set_, inventory)
     if path is None:
         from pipeline.deploy import status
 
-        _print_targets(status(load_config(config, set_)))
+        print_rows(console, status(load_config(config, set_)), LOCAL_STATUS_COLUMNS, wide=wide, as_json=as_json)
         return
     from pipeline.deploy import ssh_fleet
     from pipeline.fleet.inventory import load_inventory
 
     rows = ssh_fleet.status(load_inventory(path))
-    _print_targets(rows)
+    print_rows(console, rows, SSH_STATUS_COLUMNS, wide=wide, as_json=as_json)
     _exit_if(rows, ok=("reachable",))
 
 
@@ -197,6 +272,8 @@ def deploy_rollback(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     target: Annotated[str | None, typer.Option(help="Only this target (default: all).")] = None,
+    wide: WideOpt = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Switch targets back to their previous release."""
     from pipeline.config import load_config
@@ -205,60 +282,74 @@ def deploy_rollback(
     if path is None:
         from pipeline.deploy import rollback
 
-        _print_targets(rollback(load_config(config, set_), target))
+        print_rows(console, rollback(load_config(config, set_), target), ROLLBACK_COLUMNS, wide=wide, as_json=as_json)
         return
     from pipeline.deploy import ssh_fleet
     from pipeline.fleet.inventory import load_inventory
 
     rows = ssh_fleet.rollback(load_inventory(path), target)
-    _print_targets(rows)
+    print_rows(console, rows, ROLLBACK_COLUMNS, wide=wide, as_json=as_json)
     _exit_if(rows, ok=("ROLLED_BACK",))
 
 
 def _exit_if(rows: list[dict], ok: tuple[str, ...]) -> None:
-    """Exit 1 when any device's row is not in an `ok` status (the table above says why)."""
+    """Exit 1 when any device's row is not in an `ok` status (the rows printed say why)."""
     if any(row["status"] not in ok for row in rows):
         raise typer.Exit(1)
 
 
-def _print_targets(rows: list[dict]) -> None:
-    table = Table()
-    columns = list(dict.fromkeys(k for row in rows for k in row))
-    for col in columns:
-        table.add_column(col)
-    for row in rows:
-        table.add_row(*(str(row.get(col, "")) for col in columns))
-    console.print(table)
+RUN_COLUMNS = (
+    Col("run"),
+    Col("val_accuracy", "val acc", fmt=lambda acc: "-" if acc is None else f"{acc:.4f}", justify="right"),
+    Col("last_stage", "last stage", fmt=lambda last: last or "-"),
+    *(Col(stage, wide=True, fmt=lambda status: status or "-") for stage in STAGES),
+    Col("path", wide=True),
+    Col("note", text=True),
+)
 
 
 @runs_app.command("list")
 def runs_list(
     root: Annotated[Path, typer.Option(help="Where runs live (run.runs_root).")] = Path("artifacts/runs"),
+    wide: WideOpt = False,
+    as_json: JsonOpt = False,
 ) -> None:
-    """List runs, newest first: validation accuracy, each stage's status, and which run the fleet runs now."""
+    """List runs, newest first: validation accuracy, how far each got (--wide: every stage's status), and which
+    run the fleet runs now."""
     from pipeline import registry
-    from pipeline.stages import STAGES
 
     runs = registry.list_runs(root)
     champion = next((r for r in runs if r.deployed), None)
-    table = Table()
-    for col in ("run", "val acc", *STAGES, "note"):
-        table.add_column(col)
+    rows = []
     for record in runs:
-        statuses = [record.stage(s).get("status", "-") for s in STAGES]
-        accuracy = f"{record.val_accuracy:.4f}" if record.val_accuracy is not None else "-"
-        note = "deployed (champion)" if record is champion else record.manifest.get("stopped", "")
-        table.add_row(record.run_id, accuracy, *statuses, note)
-    console.print(table)
+        statuses = {stage: record.stage(stage).get("status") for stage in STAGES}
+        last = next((stage for stage in reversed(STAGES) if statuses[stage]), None)
+        rows.append(
+            {
+                "run": record.run_id,
+                "val_accuracy": record.val_accuracy,
+                "last_stage": f"{last} {statuses[last]}" if last else None,
+                **statuses,
+                "path": str(record.path),
+                "note": "deployed (champion)" if record is champion else record.manifest.get("stopped", ""),
+            }
+        )
+    print_rows(console, rows, RUN_COLUMNS, wide=wide, as_json=as_json)
 
 
 @runs_app.command("show")
-def runs_show(run_dir: Annotated[Path, typer.Argument(help="Run directory.")]) -> None:
+def runs_show(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the run's manifest.json instead.")] = False,
+) -> None:
     """Show one run's report."""
     from rich.markdown import Markdown
 
     if not (run_dir / "manifest.json").exists():
         raise PipelineError(f"{run_dir}: no manifest.json (not a run directory)")
+    if as_json:
+        print(json.dumps(RunDir(run_dir).manifest(), indent=2))
+        return
     console.print(Markdown(report.markdown(RunDir(run_dir))))
 
 

@@ -342,7 +342,7 @@ def test_cli_plan_run_status_rollback_with_an_inventory(jetson_fleet, two_runs, 
     assert "ACTIVE" in ran.output and ORIN in ran.output
     assert json.loads((two_runs[0].path / "config.json").read_text())["deploy"]["inventory"] == inventory
 
-    status = runner.invoke(app, ["deploy", "status", "--inventory", inventory], env={"COLUMNS": "300"})
+    status = runner.invoke(app, ["deploy", "status", "--inventory", inventory, "--wide"], env={"COLUMNS": "300"})
     assert status.exit_code == 0 and status.output.count(ORIN) == 2 and "36.4.3" in status.output
 
     back = runner.invoke(app, ["deploy", "rollback", "--inventory", inventory, "--target", "orin-02"])
