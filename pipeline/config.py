@@ -16,8 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from pipeline.errors import PipelineError
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIG = REPO_ROOT / "configs" / "quickstart.toml"
+DEFAULT_CONFIG = Path(__file__).with_name("defaults") / "quickstart.toml"
+"""The embedded quickstart, shipped inside the package (configs/quickstart.toml in the repo links to it)."""
 
 
 class Section(BaseModel):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime as dt
 import platform
 import secrets
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -18,10 +17,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Literal
 
-from pipeline.config import REPO_ROOT, Config, validate
+from pipeline.config import Config, validate
 from pipeline.errors import PipelineError
 from pipeline.files import read_json, sha256_file, write_json
 from pipeline.layout import CONFIG_SNAPSHOT, MANIFEST
+from pipeline.version import UNKNOWN, revision
 
 Status = Literal["done", "cached", "skipped"]
 
@@ -51,11 +51,9 @@ def tool_versions() -> dict[str, str]:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             continue
-    commit = subprocess.run(
-        ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=False
-    )
-    if commit.returncode == 0:
-        versions["source_commit"] = commit.stdout.strip()
+    commit = revision()
+    if commit != UNKNOWN:
+        versions["source_commit"] = commit
     return versions
 
 

@@ -13,13 +13,7 @@ import pytest
 
 from pipeline import __version__, version
 from pipeline.version import git_revision
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def git(repo: Path, *args: str) -> str:
-    identity = ["-c", "user.name=test", "-c", "user.email=test@example.invalid"]
-    return subprocess.run(["git", "-C", str(repo), *identity, *args], check=True, capture_output=True, text=True).stdout
+from tests.wheels import REPO, build_wheel, git, install_target, snapshot
 
 
 def test_version_names_the_package_version_and_the_checkout_revision(tmp_path: Path):
@@ -68,22 +62,7 @@ def test_wheels_record_the_revision_they_were_built_from(tmp_path: Path):
     installed package reports it with no git repository around it."""
     pytest.importorskip("setuptools", reason="builds with this venv's setuptools (--no-build-isolation)")
     source = tmp_path / "src"
-    files = git(REPO, "ls-files", "--cached", "--others", "--exclude-standard", "-z").split("\0")
-    for name in filter(None, files):
-        if (REPO / name).is_file():  # the working tree as it is, uncommitted changes included
-            (source / name).parent.mkdir(parents=True, exist_ok=True)
-            (source / name).write_bytes((REPO / name).read_bytes())
-    git(source, "init", "-q")
-    git(source, "add", ".")
-    git(source, "commit", "-q", "-m", "snapshot")
-    head = git(source, "rev-parse", "HEAD").strip()
-
-    def build_wheel(what: str, out: Path) -> Path:
-        cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), what]
-        subprocess.run(cmd, check=True, capture_output=True, cwd=tmp_path)
-        (wheel,) = out.glob("*.whl")
-        return wheel
-
+    head = snapshot(source)
     wheel = build_wheel(str(source), tmp_path / "from-checkout")
     build_sdist = "from setuptools import build_meta; print(build_meta.build_sdist('../sdist'))"
     sdist = subprocess.run([sys.executable, "-c", build_sdist], check=True, capture_output=True, text=True, cwd=source)
@@ -92,8 +71,7 @@ def test_wheels_record_the_revision_they_were_built_from(tmp_path: Path):
         with zipfile.ZipFile(built) as archive:
             assert archive.read("pipeline/_revision.py").decode().endswith(f"REVISION = {head!r}\n")
 
-    site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)])
+    site = install_target(wheel, tmp_path / "site")
     env = {**os.environ, "PYTHONPATH": str(site)}  # ahead of the editable install; dependencies from this venv
     shown = subprocess.run(
         [sys.executable, "-m", "pipeline", "--version"], capture_output=True, text=True, env=env, cwd=tmp_path

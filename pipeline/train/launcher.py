@@ -15,7 +15,7 @@ from pathlib import Path
 
 import models
 from pipeline import data
-from pipeline.config import REPO_ROOT, Config, TrainConfig
+from pipeline.config import Config, TrainConfig
 from pipeline.errors import PipelineError
 from pipeline.layout import CONFIG_SNAPSHOT
 from pipeline.manifest import RunDir
@@ -75,8 +75,6 @@ def environment(cfg: TrainConfig) -> dict[str, str]:
     # Restarted ranks otherwise dial a stale rank-0 address from the shared store (pytorch#135712, NOTES.md).
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env["OMP_NUM_THREADS"] = str(cfg.threads_per_rank)
-    # The worker is started with -m: make it importable even where the project is not pip-installed.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     return env
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import REPO_ROOT, validate
+from pipeline.config import validate
 from pipeline.errors import PipelineError
 from pipeline.files import write_json
 from pipeline.manifest import create_run_dir
@@ -41,7 +41,8 @@ def test_environment_pins_threads_and_store_behaviour() -> None:
     assert env["GLOO_SOCKET_IFNAME"] == "wlan0" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert env["OMP_NUM_THREADS"] == "3"
-    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO_ROOT)
+    # The ranks import the installed package, so nothing points them at a source tree.
+    assert env.get("PYTHONPATH") == os.environ.get("PYTHONPATH")
 
 
 @pytest.mark.parametrize(
