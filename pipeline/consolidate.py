@@ -24,10 +24,9 @@ from pipeline.data import DatasetInfo
 from pipeline.errors import PipelineError
 from pipeline.files import first_line, read_json, sha256_file
 from pipeline.layout import DATASET, LATEST, MODEL_DIR, MODEL_JSON, SUMMARY, WEIGHTS
-from pipeline.manifest import RunDir, StageResult, run_stage, tool_versions
+from pipeline.manifest import RunDir, Stage, StageResult, run_stage, tool_versions
 from pipeline.modelfile import write_model
 
-STAGE = "consolidate"
 _DCP_METADATA = ".metadata"
 _DCP_RECORDS = "torch.distributed.checkpoint.metadata"
 _SAFE_GLOBALS = {
@@ -43,8 +42,7 @@ _SAFE_MODULES = {module for module, _ in _SAFE_GLOBALS} | {_DCP_RECORDS}
 
 def run(cfg: Config, run: RunDir, log: Callable[[str], None] = print) -> StageResult:
     """Turn `train/checkpoints/latest` into `model/model.safetensors` + `model/model.json`."""
-    inputs = [LATEST, DATASET, SUMMARY]
-    return run_stage(run, cfg, STAGE, ("model",), inputs, lambda: _consolidate(cfg, run, log), log)
+    return run_stage(run, cfg, STAGE, lambda: _consolidate(cfg, run, log), log)
 
 
 def _consolidate(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageResult:
@@ -59,10 +57,10 @@ def _consolidate(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageR
     meta = model_json(cfg, info, step_dir, val_accuracy)
     write_model(run.path / MODEL_DIR, state, meta)
     parameters = sum(p.numel() for p in model.parameters())
-    log(f"[{STAGE}] {step_dir.name}: {cfg.model.name}, {parameters:,} parameters -> {WEIGHTS}")
-    outputs = {"weights": WEIGHTS, "model_json": MODEL_JSON}
+    log(f"[consolidate] {step_dir.name}: {cfg.model.name}, {parameters:,} parameters -> {WEIGHTS}")
+    outputs = dict(STAGE.outputs)
     metrics = {"parameters": parameters, "val_accuracy": val_accuracy, "checkpoint": step_dir.name}
-    return StageResult(STAGE, "done", outputs=outputs, metrics=metrics)
+    return StageResult("consolidate", "done", outputs=outputs, metrics=metrics)
 
 
 def _dataset_info(path: Path) -> DatasetInfo:
@@ -193,3 +191,12 @@ def model_json(cfg: Config, info: DatasetInfo, step_dir: Path, val_accuracy: flo
         "metrics": {"val_accuracy": val_accuracy},
         "lineage": lineage,
     }
+
+
+STAGE = Stage(
+    name="consolidate",
+    sections=("model",),
+    inputs=(LATEST, DATASET, SUMMARY),
+    outputs={"weights": WEIGHTS, "model_json": MODEL_JSON},
+    run=run,
+)

@@ -38,6 +38,28 @@ class StageResult:
     """Why the stage was skipped or cached; empty when it ran."""
 
 
+@dataclass(frozen=True)
+class Stage:
+    """What a stage declares about itself; the stage table (pipeline.stages) and the cache read only this."""
+
+    name: str
+    """The stage's name: its CLI subcommand, its manifest entry, its Prefect task."""
+    sections: tuple[str, ...]
+    """Config tables whose values change the stage's result (hashed into its cache key)."""
+    inputs: tuple[str, ...]
+    """Run-dir paths it reads, written by earlier stages (hashed into its cache key)."""
+    outputs: dict[str, str]
+    """Run-dir paths it always writes, by name (a stage may add more, e.g. one engine per device class)."""
+    run: Callable[..., StageResult]
+    """`run(cfg, run_dir, log=print, **options)`: the stage as a library function."""
+    fingerprint: Callable[[Config], dict[str, str]] | None = None
+    """What it reads from outside the run directory (the dataset, a weights file), as name → hash."""
+
+    def external(self, cfg: Config) -> dict[str, str]:
+        """The fingerprint of what the stage reads from outside the run directory ({} when nothing)."""
+        return self.fingerprint(cfg) if self.fingerprint else {}
+
+
 def new_run_id() -> str:
     """Sortable, unique run id: UTC timestamp plus a short random suffix."""
     return dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
@@ -133,24 +155,18 @@ def _is_fresh(previous: dict[str, Any] | None, digest: str, inputs: dict[str, st
     return bool(outputs) and run.hashes(list(outputs)) == outputs
 
 
-def _input_hashes(run: RunDir, stage: str, inputs: list[str], external: dict[str, str] | None) -> dict[str, str]:
-    missing = [rel for rel in inputs if not (run.path / rel).exists()]
+def _input_hashes(run: RunDir, stage: Stage, cfg: Config, external: dict[str, str] | None) -> dict[str, str]:
+    missing = [rel for rel in stage.inputs if not (run.path / rel).exists()]
     if missing:
-        raise PipelineError(f"{stage}: missing input {run.path / missing[0]} (run the earlier stages first)")
-    return {**run.hashes(inputs), **(external or {})}
+        raise PipelineError(f"{stage.name}: missing input {run.path / missing[0]} (run the earlier stages first)")
+    return {**run.hashes(list(stage.inputs)), **stage.external(cfg), **(external or {})}
 
 
 def cached_result(
-    run: RunDir,
-    cfg: Config,
-    stage: str,
-    sections: tuple[str, ...],
-    inputs: list[str],
-    log: Callable[[str], None] = print,
-    external: dict[str, str] | None = None,
+    run: RunDir, cfg: Config, stage: Stage, log: Callable[[str], None] = print
 ) -> StageResult | None:
     """The stage's recorded result when its config, inputs and outputs are unchanged since it last ran, else None."""
-    return _cached(run, stage, cfg.digest(*sections), _input_hashes(run, stage, inputs, external), log)
+    return _cached(run, stage.name, cfg.digest(*stage.sections), _input_hashes(run, stage, cfg, None), log)
 
 
 def _cached(
@@ -167,9 +183,7 @@ def _cached(
 def run_stage(
     run: RunDir,
     cfg: Config,
-    stage: str,
-    sections: tuple[str, ...],
-    inputs: list[str],
+    stage: Stage,
     body: Callable[[], StageResult],
     log: Callable[[str], None] = print,
     external: dict[str, str] | None = None,
@@ -177,14 +191,14 @@ def run_stage(
 ) -> StageResult:
     """Run one stage with caching and lineage.
 
-    `sections` are the config tables the stage depends on, `inputs` the run-dir paths it reads, `external`
-    fingerprints of what lives outside the run dir (the dataset, a weights file). When all are unchanged since the
-    last successful run and its outputs are intact, `body` is not called. Stages whose truth lives elsewhere
-    (deploy: the devices) pass `cacheable=False`.
+    The cache key is the digest of the stage's config sections, the hashes of its inputs, its fingerprint of what
+    lives outside the run dir, and `external` (facts only known at run time, such as the builder's TensorRT). When
+    all are unchanged since the last successful run and its outputs are intact, `body` is not called. Stages whose
+    truth lives elsewhere (deploy: the devices) pass `cacheable=False`.
     """
-    digest = cfg.digest(*sections)
-    input_hashes = _input_hashes(run, stage, inputs, external)
-    if cacheable and (cached := _cached(run, stage, digest, input_hashes, log)):
+    digest = cfg.digest(*stage.sections)
+    input_hashes = _input_hashes(run, stage, cfg, external)
+    if cacheable and (cached := _cached(run, stage.name, digest, input_hashes, log)):
         return cached
     started = time.perf_counter()
     result = body()
@@ -198,5 +212,5 @@ def run_stage(
     }
     run.record(result, entry)
     suffix = f": {result.reason}" if result.reason else ""
-    log(f"[{stage}] {result.status} in {seconds:.1f}s{suffix}")
+    log(f"[{stage.name}] {result.status} in {seconds:.1f}s{suffix}")
     return result

@@ -5,7 +5,6 @@ The CLI and the Prefect flow both go through here, so `pipeline run` and the flo
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -16,18 +15,25 @@ from pipeline.config import DEFAULT_CONFIG, Config, apply_overrides, load_config
 from pipeline.errors import PipelineError
 from pipeline.files import read_json
 from pipeline.layout import CONFIG_SNAPSHOT
-from pipeline.manifest import RunDir, StageResult, create_run_dir
+from pipeline.manifest import RunDir, Stage, StageResult, create_run_dir
 
-# Stage name → module exposing `run(cfg, run, log) -> StageResult`. Imported lazily: `pipeline runs list` should
-# not pay for importing torch.
-STAGE_MODULES: dict[str, str] = {
-    "train": "pipeline.train",
-    "consolidate": "pipeline.consolidate",
-    "export": "pipeline.export",
-    "build": "pipeline.engines",
-    "deploy": "pipeline.deploy",
-}
-STAGES = tuple(STAGE_MODULES)
+STAGES = ("train", "consolidate", "export", "build", "deploy")
+"""Stage names in pipeline order, for what must not import the stages (`pipeline runs list`, the report)."""
+
+
+def table() -> tuple[Stage, ...]:
+    """Every stage's record, in pipeline order. The stages are imported here, when a stage is about to run, so
+    that listing runs does not pay for importing torch."""
+    from pipeline import consolidate, deploy, engines, export, train
+
+    return (train.STAGE, consolidate.STAGE, export.STAGE, engines.STAGE, deploy.STAGE)
+
+
+def stage_named(name: str) -> Stage:
+    """The record of the stage called `name`; a one-line error naming the known stages otherwise."""
+    if name not in STAGES:
+        raise PipelineError(f"unknown stage {name!r} (known: {', '.join(STAGES)})")
+    return table()[STAGES.index(name)]
 
 
 def open_run(config: Path | None, run_dir: Path | None, overrides: list[str] | None = None) -> tuple[Config, RunDir]:
@@ -59,10 +65,7 @@ def existing_run(run_dir: Path) -> RunDir:
 
 def run_one(stage: str, cfg: Config, run: RunDir, log: Callable[[str], None] = print, **options: Any) -> StageResult:
     """Run a single stage by name; `options` go to that stage's `run` (e.g. train's `output`)."""
-    if stage not in STAGE_MODULES:
-        raise PipelineError(f"unknown stage {stage!r} (known: {', '.join(STAGES)})")
-    module = importlib.import_module(STAGE_MODULES[stage])
-    return module.run(cfg, run, log=log, **options)
+    return stage_named(stage).run(cfg, run, log=log, **options)
 
 
 Execute = Callable[[str], StageResult]
@@ -80,9 +83,8 @@ class Outcome:
 
 def nothing_new(cfg: Config, run: RunDir) -> str:
     """Why training can be skipped ("" when it can't): an earlier run trained on the same data and config."""
-    from pipeline import train
-
-    same = registry.trained_with(cfg.run.runs_root, cfg.digest(*train.SECTIONS), train.fingerprints(cfg))
+    train = stage_named("train")
+    same = registry.trained_with(cfg.run.runs_root, cfg.digest(*train.sections), train.external(cfg))
     if same is None or same.path.resolve() == run.path.resolve():
         return ""
     return f"nothing new: data and training config unchanged since run {same.run_id}"

@@ -5,6 +5,6 @@ Targets are local directories (`local`, `fleet`) or Jetsons over SSH from an inv
 """
 
 from pipeline.deploy.fleet import rollback, status
-from pipeline.deploy.stage import run
+from pipeline.deploy.stage import STAGE, run
 
-__all__ = ["rollback", "run", "status"]
+__all__ = ["STAGE", "rollback", "run", "status"]

@@ -27,15 +27,14 @@ from pipeline.errors import PipelineError, TransientError
 from pipeline.files import read_json, write_json
 from pipeline.fleet.inventory import load_inventory
 from pipeline.layout import DEPLOY_PLAN, DEPLOY_RESULTS, MODEL_JSON, ONNX, PLAN, SAMPLE
-from pipeline.manifest import RunDir, StageResult, run_stage
+from pipeline.manifest import RunDir, Stage, StageResult, run_stage
 
-INPUTS = [ONNX, SAMPLE, MODEL_JSON]
 ACTIVATE_SCRIPT = Path(__file__).with_name("activate.sh")
 
 
 def run(cfg: Config, run: RunDir, log: Callable[[str], None] = print) -> StageResult:
     """Deploy to `cfg.deploy.targets`; writes deploy/results.json, and raises PipelineError if any target failed."""
-    return run_stage(run, cfg, "deploy", ("deploy",), INPUTS, lambda: _body(cfg, run, log), log, cacheable=False)
+    return run_stage(run, cfg, STAGE, lambda: _body(cfg, run, log), log, cacheable=False)
 
 
 def local_engine(run: RunDir) -> tuple[Path, Path] | None:
@@ -103,7 +102,7 @@ def _body(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageResult:
     return StageResult(
         "deploy",
         "done",
-        outputs={"results": DEPLOY_RESULTS, "plan": DEPLOY_PLAN},
+        outputs=dict(STAGE.outputs),
         metrics={
             "release": plan.release_id,
             "active": len(results),
@@ -137,7 +136,7 @@ def _fleet_body(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageRe
         raise (TransientError if transient else PipelineError)(message)
     metrics = {"release": releases.id, "active": len(rows), "targets": len(rows)}
     metrics["bytes_sent"] = sum(r["bytes_sent"] for r in rows)
-    return StageResult("deploy", "done", outputs={"results": DEPLOY_RESULTS, "plan": DEPLOY_PLAN}, metrics=metrics)
+    return StageResult("deploy", "done", outputs=dict(STAGE.outputs), metrics=metrics)
 
 
 def results_table(results: list[dict[str, Any]]) -> str:
@@ -157,3 +156,12 @@ def _verdict(result: dict[str, Any]) -> str:
     if not health:
         return "-"
     return "passed" if health["passed"] else "FAILED"
+
+
+STAGE = Stage(
+    name="deploy",
+    sections=("deploy",),
+    inputs=(ONNX, SAMPLE, MODEL_JSON),
+    outputs={"results": DEPLOY_RESULTS, "plan": DEPLOY_PLAN},
+    run=run,
+)

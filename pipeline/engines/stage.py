@@ -33,7 +33,7 @@ from pipeline.fleet.classes import device_class, from_inventory
 from pipeline.fleet.inventory import load_inventory
 from pipeline.host import local_sm
 from pipeline.layout import BUILD_INFO, CLASSES, ENGINES, ONNX, PLAN, SAMPLE
-from pipeline.manifest import RunDir, StageResult, run_stage
+from pipeline.manifest import RunDir, Stage, StageResult, run_stage
 
 FAILED_LOG = "build-failed.log"
 
@@ -71,12 +71,10 @@ def run(cfg: Config, run: RunDir, log: Callable[[str], None] = print) -> StageRe
     """
     if cfg.build.classes or cfg.build.from_inventory:
         body = partial(_classes_body, cfg, run, log)
-        return run_stage(run, cfg, "build", ("build", "export"), [ONNX], body, log, cacheable=False)
+        return run_stage(run, cfg, STAGE, body, log, cacheable=False)
     host = probe_host(choose(cfg.build))
     external = {"tensorrt": host.fingerprint()} if host.choice.builder else None
-    return run_stage(
-        run, cfg, "build", ("build", "export"), [ONNX], lambda: _body(cfg, run, host, log), log, external=external
-    )
+    return run_stage(run, cfg, STAGE, lambda: _body(cfg, run, host, log), log, external=external)
 
 
 def _body(cfg: Config, run: RunDir, host: Host, log: Callable[[str], None]) -> StageResult:
@@ -252,3 +250,7 @@ def _classes_body(cfg: Config, run: RunDir, log: Callable[[str], None]) -> Stage
     for row in made:
         outputs |= {f"engine:{row['class']}": row["engine"], f"build_info:{row['class']}": row["build_info"]}
     return StageResult("build", "done", outputs=outputs, metrics=metrics)
+
+
+STAGE = Stage(name="build", sections=("build", "export"), inputs=(ONNX,), outputs={}, run=run)
+"""Outputs depend on the device classes: `engine:<class>` and `build_info:<class>` per engine, `classes`."""

@@ -27,21 +27,20 @@ from pipeline.export.parity import check_parity, save_sample, variant_accuracy
 from pipeline.export.variants import VARIANTS, to_fp16, to_int8
 from pipeline.files import write_json
 from pipeline.layout import MODEL_DIR, MODEL_JSON, ONNX, ONNX_DIR, PARITY, SAMPLE, WEIGHTS, onnx_name, onnx_path
-from pipeline.manifest import RunDir, StageResult, run_stage
+from pipeline.manifest import RunDir, Stage, StageResult, run_stage
 from pipeline.modelfile import load_model
-
-STAGE = "export"
 
 __all__ = ["STAGE", "run"]
 
 
 def run(cfg: Config, run: RunDir, log: Callable[[str], None] = print) -> StageResult:
     """Export the consolidated model to ONNX (+ requested variants), gated on parity and accuracy."""
-    inputs = [WEIGHTS, MODEL_JSON]
-    # The parity images depend on the data (files, not just config) and on the seed that splits them.
-    external = {"data": data.fingerprint(cfg.data), "run.seed": str(cfg.run.seed)}
-    sections = ("data", "export")
-    return run_stage(run, cfg, STAGE, sections, inputs, lambda: _export(cfg, run, log), log, external=external)
+    return run_stage(run, cfg, STAGE, lambda: _export(cfg, run, log), log)
+
+
+def fingerprint(cfg: Config) -> dict[str, str]:
+    """The parity images depend on the data (files, not just config) and on the seed that splits them."""
+    return {"data": data.fingerprint(cfg.data), "run.seed": str(cfg.run.seed)}
 
 
 def _export(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageResult:
@@ -56,7 +55,7 @@ def _export(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageResult
     try:
         fp32 = staging / onnx_name("fp32")
         facts = export_onnx(model, meta, cfg.export, fp32)
-        log(f"[{STAGE}] opset {facts['opset']}: {facts['opset_choice']['reason']}")
+        log(f"[export] opset {facts['opset']}: {facts['opset_choice']['reason']}")
         report = check_parity(fp32, model, images, labels, cfg.export.atol, cfg.export.max_batch)
         report["opset"] = facts["opset_choice"]
         if "simplified" in facts:
@@ -79,15 +78,15 @@ def _result(
 ) -> StageResult:
     accuracies = {name: entry["accuracy"] for name, entry in report["variants"].items()}
     log(
-        f"[{STAGE}] {ONNX}: opset {facts['opset']}, batch 1..{cfg.export.max_batch}, parity on {report['samples']} "
+        f"[export] {ONNX}: opset {facts['opset']}, batch 1..{cfg.export.max_batch}, parity on {report['samples']} "
         f"images max |diff| {report['max_abs_diff']:.2e}; validation accuracy "
         + ", ".join(f"{name} {value:.4f}" for name, value in accuracies.items())
     )
     metrics = {key: report[key] for key in ("max_abs_diff", "top1_agreement", "onnx_accuracy")}
     metrics.update({f"{name}_accuracy": value for name, value in accuracies.items()})
-    outputs = {"onnx": ONNX, "parity": PARITY, "sample": SAMPLE}
+    outputs = dict(STAGE.outputs)
     outputs.update({f"onnx_{name}": onnx_path(name) for name in files if name != "fp32"})
-    return StageResult(STAGE, "done", outputs=outputs, metrics={**metrics, "opset": facts["opset"]})
+    return StageResult("export", "done", outputs=outputs, metrics={**metrics, "opset": facts["opset"]})
 
 
 def _splits(cfg: Config, meta: dict[str, Any]) -> data.Splits:
@@ -127,7 +126,7 @@ def _build_variants(
             batches = _batches(splits.train, cfg.export.max_batch, cfg.export.calibration_samples)
             calibration = [images for images, _ in batches]
             to_int8(fp32, dest, calibration)
-            log(f"[{STAGE}] int8: calibrated on {sum(len(b) for b in calibration)} training images")
+            log(f"[export] int8: calibrated on {sum(len(b) for b in calibration)} training images")
         files[variant] = dest
     return files
 
@@ -189,3 +188,13 @@ def _promote(staging: Path, onnx_dir: Path, files: dict[str, Path]) -> None:
     for variant in VARIANTS:
         if variant not in files:
             (onnx_dir / onnx_name(variant)).unlink(missing_ok=True)
+
+
+STAGE = Stage(
+    name="export",
+    sections=("data", "export"),
+    inputs=(WEIGHTS, MODEL_JSON),
+    outputs={"onnx": ONNX, "parity": PARITY, "sample": SAMPLE},
+    run=run,
+    fingerprint=fingerprint,
+)

@@ -12,20 +12,12 @@ from pipeline import data, layout
 from pipeline.config import Config
 from pipeline.errors import PipelineError
 from pipeline.files import read_json, sha256_file
-from pipeline.manifest import RunDir, StageResult, cached_result, run_stage
+from pipeline.manifest import RunDir, Stage, StageResult, cached_result, run_stage
 from pipeline.train.launcher import launch
 
-STAGE = "train"
-SECTIONS = ("run", "data", "model", "train")
-OUTPUTS = {
-    "metrics": layout.METRICS,
-    "checkpoint": layout.LATEST,
-    "dataset": layout.DATASET,
-    "summary": layout.SUMMARY,
-}
 SUMMARY_METRICS = ("val_accuracy", "epochs", "steps", "samples_per_s", "seconds")
 
-__all__ = ["launch", "run"]
+__all__ = ["STAGE", "launch", "run"]
 
 
 def fingerprints(cfg: Config) -> dict[str, str]:
@@ -66,15 +58,30 @@ def run(
     if node_rank != 0:
         # Node 0 will find the same manifest on the shared filesystem and launch nothing: joining the rendezvous
         # would only wait there until it timed out.
-        if cached := cached_result(run, cfg, STAGE, SECTIONS, [], log, external=fingerprints(cfg)):
+        if cached := cached_result(run, cfg, STAGE, log):
             return cached
         train_here()
-        log(f"[{STAGE}] done: node {node_rank} of {nnodes}; node 0 records the run")
-        return StageResult(STAGE, "done", reason=f"node {node_rank} of {nnodes}: node 0 records the run")
+        log(f"[train] done: node {node_rank} of {nnodes}; node 0 records the run")
+        return StageResult("train", "done", reason=f"node {node_rank} of {nnodes}: node 0 records the run")
 
     def body() -> StageResult:
         train_here()
         summary = read_json(run.path / layout.SUMMARY)
-        return StageResult(STAGE, "done", dict(OUTPUTS), {k: summary[k] for k in SUMMARY_METRICS})
+        return StageResult("train", "done", dict(STAGE.outputs), {k: summary[k] for k in SUMMARY_METRICS})
 
-    return run_stage(run, cfg, STAGE, SECTIONS, [], body, log, external=fingerprints(cfg))
+    return run_stage(run, cfg, STAGE, body, log)
+
+
+STAGE = Stage(
+    name="train",
+    sections=("run", "data", "model", "train"),
+    inputs=(),
+    outputs={
+        "metrics": layout.METRICS,
+        "checkpoint": layout.LATEST,
+        "dataset": layout.DATASET,
+        "summary": layout.SUMMARY,
+    },
+    run=run,
+    fingerprint=fingerprints,
+)

@@ -34,7 +34,7 @@ def test_two_nodes_train_one_job_into_a_shared_run_dir_and_node_zero_records_it(
     summary = read_json(run_dir / layout.SUMMARY)
     assert summary["world_size"] == 2 and summary["steps"] == STEPS_PER_EPOCH  # 32 per rank, one rank per node
     recorded = RunDir(run_dir).manifest()["stages"]["train"]
-    assert recorded["outputs"] == train.OUTPUTS and recorded["metrics"]["val_accuracy"] == summary["val_accuracy"]
+    assert recorded["outputs"] == train.STAGE.outputs and recorded["metrics"]["val_accuracy"] == summary["val_accuracy"]
     latest = run_dir / layout.LATEST
     assert sorted(p.name for p in latest.glob("rng-*.pt")) == ["rng-0.pt", "rng-1.pt"]  # a shard from each node
 

@@ -84,7 +84,7 @@ def test_reaches_accuracy_and_reports_it(trained: Trained) -> None:
     run, result, _ = trained
     summary = read_json(run.path / layout.SUMMARY)
     assert result.status == "done"
-    assert result.outputs == train.OUTPUTS
+    assert result.outputs == train.STAGE.outputs
     assert summary["val_accuracy"] >= 0.9
     assert result.metrics == {k: summary[k] for k in train.SUMMARY_METRICS}
     assert summary["steps"] == TOTAL * STEPS_PER_EPOCH
