@@ -22,15 +22,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.weaklink import WeakLink, unavailable  # noqa: E402
+from pipeline.config import CompressionMethod  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-METHODS = ("none", "fp16", "bf16", "powersgd", "topk", "sign", "localsgd")
+METHODS = get_args(CompressionMethod)
 WARMUP = 10
 PORT = 29400
 TRAIN = {

@@ -6,7 +6,7 @@ from torch import nn
 
 
 def small_cnn(num_classes: int, in_channels: int) -> nn.Module:
-    """Two conv blocks and a linear head; ~25k parameters, trains in seconds on a CPU."""
+    """Two conv blocks and a linear head; ~20k parameters (19,658 for 10 classes), trains in seconds on a CPU."""
 
     def block(cin: int, cout: int) -> nn.Sequential:
         return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU(inplace=True))

@@ -20,6 +20,11 @@ DEFAULT_CONFIG = Path(__file__).with_name("defaults") / "quickstart.toml"
 """The embedded quickstart, shipped inside the package (configs/quickstart.toml in the repo links to it)."""
 
 
+CompressionMethod = Literal["none", "fp16", "bf16", "powersgd", "topk", "sign", "localsgd"]
+FSDP_COMPRESSION: tuple[CompressionMethod, ...] = ("none", "fp16", "bf16")
+"""The compression methods FSDP can use (its reduce-scatter casts); the others hook DDP's buckets, so DDP only."""
+
+
 class Section(BaseModel):
     """Base for config tables: unknown keys are errors, field docstrings become descriptions."""
 
@@ -80,7 +85,7 @@ class TrainConfig(Section):
     precision: Literal["auto", "fp32", "bf16-mixed", "fp16-mixed"] = "auto"
     """`auto` is bf16 autocast on GPUs that support it and fp32 on CPU, where bf16 buys no speed. `fp16-mixed`
     scales the loss (GradScaler); fp16 autocast is very slow on CPU."""
-    compression: Literal["none", "fp16", "bf16", "powersgd", "topk", "sign", "localsgd"] = "none"
+    compression: CompressionMethod = "none"
     """Gradient compression. DDP: `fp16`/`bf16` halve the bytes; `powersgd` (low rank, `powersgd_rank`), `topk`
     (largest `topk_fraction` of entries) and `sign` (1 bit per entry and one fp32 scale per tensor) keep what they
     did not send as error feedback; `localsgd` trains locally and averages the models every `localsgd_period` steps.
@@ -145,8 +150,9 @@ class TrainConfig(Section):
     def _compatible(self) -> TrainConfig:
         if self.compression == "powersgd" and self.compression_warmup_steps < 2:
             raise ValueError("train.compression_warmup_steps must be >= 2 for powersgd (its error feedback)")
-        if self.strategy == "fsdp" and self.compression not in ("none", "fp16", "bf16"):
-            raise ValueError(f"train.compression {self.compression!r} works with DDP only (fsdp: none, fp16, bf16)")
+        if self.strategy == "fsdp" and self.compression not in FSDP_COMPRESSION:
+            fsdp = ", ".join(FSDP_COMPRESSION)
+            raise ValueError(f"train.compression {self.compression!r} works with DDP only (fsdp: {fsdp})")
         return self
 
 

@@ -162,9 +162,7 @@ def _input_hashes(run: RunDir, stage: Stage, cfg: Config, external: dict[str, st
     return {**run.hashes(list(stage.inputs)), **stage.external(cfg), **(external or {})}
 
 
-def cached_result(
-    run: RunDir, cfg: Config, stage: Stage, log: Callable[[str], None] = print
-) -> StageResult | None:
+def cached_result(run: RunDir, cfg: Config, stage: Stage, log: Callable[[str], None] = print) -> StageResult | None:
     """The stage's recorded result when its config, inputs and outputs are unchanged since it last ran, else None."""
     return _cached(run, stage.name, cfg.digest(*stage.sections), _input_hashes(run, stage, cfg, None), log)
 

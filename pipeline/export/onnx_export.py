@@ -100,8 +100,9 @@ def export_onnx(model: nn.Module, meta: dict[str, Any], cfg: ExportConfig, path:
 
     The opset is the lower of `export.opset` and what TensorRT `export.min_tensorrt` parses; a file written at a
     newer opset is converted down. The facts ({opset, batch: {min, opt, max}, input, output, precision}) are stored
-    under the `export` metadata key, so the build stage can size TensorRT profiles from the file alone; the
-    returned dict adds how the opset was chosen (`opset_choice`) and, with `export.simplify`, the node counts.
+    under the `export` metadata key, so the file describes itself to whoever inspects it (the build stage sizes
+    its profiles from the `export` config); the returned dict adds how the opset was chosen (`opset_choice`) and,
+    with `export.simplify`, the node counts.
     """
     arch = meta["architecture"]
     target, why = opset.choose(cfg.min_tensorrt, cfg.opset)

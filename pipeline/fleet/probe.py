@@ -9,8 +9,7 @@ from __future__ import annotations
 import contextlib
 import re
 import shlex
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
 
 SOCS = {
     "nvidia,tegra264": ("thor", "sm110"),
@@ -69,10 +68,6 @@ class Facts:
     def max_temp_c(self) -> float | None:
         """Hottest thermal zone in °C, None without zones."""
         return max(self.temperatures.values()) if self.temperatures else None
-
-    def row(self) -> dict[str, Any]:
-        """JSON-friendly dict, device class included."""
-        return {**asdict(self), "device_class": self.device_class}
 
 
 def parse_facts(text: str) -> Facts:

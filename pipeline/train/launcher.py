@@ -14,12 +14,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import models
-from pipeline import data
+from pipeline import data, layout
 from pipeline.config import Config, TrainConfig
 from pipeline.errors import PipelineError
 from pipeline.layout import CONFIG_SNAPSHOT
 from pipeline.manifest import RunDir
-from pipeline.train import checkpoint, layout, procgroup
+from pipeline.train import checkpoint, procgroup
 
 
 def free_port(host: str = "127.0.0.1") -> int:

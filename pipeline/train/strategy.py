@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from pipeline.config import TrainConfig
+from pipeline.config import FSDP_COMPRESSION, TrainConfig
 from pipeline.train import compression
 from pipeline.train.compression import CommCounter, Compression
 from pipeline.train.runtime import Runtime
@@ -27,7 +27,6 @@ ADAM_STATES = 2
 """Optimizer tensors per parameter (AdamW: exp_avg, exp_avg_sq)."""
 HOST_MEMORY_SHARE = 0.8
 """Share of available host memory the ranks of a node may plan to use, split evenly between them."""
-DDP_ONLY = ("powersgd", "topk", "sign", "localsgd")
 _LOW_PRECISION = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -113,7 +112,7 @@ def choose(model: nn.Module, sample: torch.Tensor, batch: int, cfg: TrainConfig,
     mib = {k: f"{v / 2**20:.1f} MiB" for k, v in vars(est).items()}
     if est.ddp <= est.budget:
         return "ddp", f"DDP needs ~{mib['ddp']} per rank, within the {mib['budget']} budget"
-    if cfg.compression in DDP_ONLY:
+    if cfg.compression not in FSDP_COMPRESSION:
         return "ddp", f"DDP needs ~{mib['ddp']} > {mib['budget']}, but compression {cfg.compression} needs DDP"
     return "fsdp", f"DDP needs ~{mib['ddp']} > {mib['budget']} budget; FSDP needs ~{mib['fsdp']} per rank"
 

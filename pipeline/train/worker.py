@@ -24,12 +24,12 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler, Subset
 from tqdm import tqdm
 
 import models
-from pipeline import data
+from pipeline import data, layout
 from pipeline.config import Config
 from pipeline.errors import PipelineError
 from pipeline.files import write_json
 from pipeline.manifest import RunDir
-from pipeline.train import checkpoint, layout, runtime, stepping, strategy, thermal
+from pipeline.train import checkpoint, runtime, stepping, strategy, thermal
 from pipeline.train.metrics import MetricsLog
 from pipeline.train.runtime import Runtime
 

@@ -14,9 +14,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import models
-from pipeline.config import Config, TrainConfig, validate
+from pipeline import layout
+from pipeline.config import FSDP_COMPRESSION, Config, TrainConfig, validate
 from pipeline.errors import PipelineError
-from pipeline.train import compression, layout, runtime, strategy
+from pipeline.train import compression, runtime, strategy
 from pipeline.train.worker import Trainer
 from tests.train.ranks import run_ranks
 
@@ -87,7 +88,7 @@ def expected_bytes(method: str, step: int) -> int:
     params = _params()
     numel = sum(p.numel() for p in params)
     full = numel * 4
-    if method in ("none", "fp16", "bf16"):
+    if method in FSDP_COMPRESSION:  # casts of the full gradient
         return full // 2 if method != "none" else full
     if step <= WARMUP:
         return full

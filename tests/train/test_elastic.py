@@ -15,11 +15,11 @@ import torch.distributed.checkpoint as dcp
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 import models
-from pipeline import train
+from pipeline import layout, train
 from pipeline.config import Config, validate
 from pipeline.files import read_json
 from pipeline.manifest import create_run_dir
-from pipeline.train import checkpoint, layout, runtime
+from pipeline.train import checkpoint, runtime
 from pipeline.train.worker import Trainer
 from tests.train.ranks import run_ranks
 from tests.train.test_stage import rank_processes, small_config

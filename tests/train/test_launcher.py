@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from pipeline import layout
 from pipeline.config import validate
 from pipeline.errors import PipelineError
 from pipeline.files import write_json
 from pipeline.manifest import create_run_dir
-from pipeline.train import checkpoint, launcher, layout
+from pipeline.train import checkpoint, launcher
 
 
 def test_command_runs_the_worker_module_under_torchrun() -> None:
