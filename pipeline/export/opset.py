@@ -1,7 +1,8 @@
 """Which opset the oldest TensorRT among the targets parses, and lowering a graph to it.
 
-The dynamo exporter writes opset 18 or newer; JetPack 5's TensorRT 8.5 parses at most 17. ONNX's own version
-converter does the lowering (onnxscript's converter only handles 18 and up).
+The dynamo exporter writes opset 18 or newer; JetPack 5's TensorRT 8.5 parses at most 17
+(docs/tensorrt.md#onnx-opsets-per-release). ONNX's own version converter does the lowering (onnxscript's converter
+only handles 18 and up).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 A client-side timeout does not stop a remote process (there is no PTY), so every command runs under the
 device's own `timeout -k 5 N`. Transfer and connection failures arrive as OSError subclasses, asyncssh.Error and
-asyncio.TimeoutError: `FAILURES` names all three so callers catch them in one place.
+asyncio.TimeoutError: `FAILURES` names all three so callers catch them in one place
+(docs/ssh-and-devices.md#errors-from-asyncssh, #remote-commands-outlive-client-timeouts).
 """
 
 from __future__ import annotations

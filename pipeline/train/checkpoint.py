@@ -111,10 +111,11 @@ class Checkpointer:
 
     In the background (`asynchronous`), :meth:`save` copies the state to CPU memory and returns while a thread
     writes it with ``dcp.async_save`` over a gloo group of its own: on the default group its collectives would
-    interleave with training's and deadlock (NOTES.md). Rank 0 alone commits a save (trainer.json, `latest`,
-    pruning) once its own write has completed, which DCP makes happen only after every rank's shard is written;
-    each rank's RNG file is written before its write starts. Every rank calls :meth:`save` and :meth:`wait` at the
-    same points; :meth:`poll` (each step) and :meth:`settle` (on the way out after an error) are local.
+    interleave with training's and deadlock (docs/torch-distributed.md#async-checkpoints-need-their-own-group).
+    Rank 0 alone commits a save (trainer.json, `latest`, pruning) once its own write has completed, which DCP makes
+    happen only after every rank's shard is written; each rank's RNG file is written before its write starts. Every
+    rank calls :meth:`save` and :meth:`wait` at the same points; :meth:`poll` (each step) and :meth:`settle` (on the
+    way out after an error) are local.
     """
 
     def __init__(self, root: Path, keep: int, asynchronous: bool) -> None:

@@ -5,7 +5,8 @@ returns the (state, hook) pair for ``DistributedDataParallel.register_comm_hook`
 since only it knows what it sends. :func:`install` registers one and returns a :class:`Compression`, whose
 :meth:`Compression.after_step` runs what a method does after the optimizer step (local SGD's model averaging).
 
-Gloo constraints shape the methods (NOTES.md): PowerSGD waits for its own future before returning, so ranks issue
+Gloo constraints shape the methods (docs/torch-distributed.md#powersgd-on-gloo, #all-gather-hooks-keyed-by-bucket):
+PowerSGD waits for its own future before returning, so ranks issue
 its P/Q all-reduces in the same order whatever the number of buckets; top-k and sign gather into buffers of their
 own and key their error feedback by bucket index (DDP rebuilds its buckets after the first step).
 """
@@ -138,7 +139,9 @@ def _powersgd(cfg: TrainConfig, group: dist.ProcessGroup | None, counter: CommCo
         # PowerSGD tallies the elements it sends once compressing (P, Q and the tensors it leaves uncompressed).
         numel = buffer.numel() if warming else state.total_numel_after_compression - before
         counter.add(numel * buffer.element_size())
-        fut.wait()  # gloo: its P/Q all-reduces start from callbacks; waiting keeps every rank's order the same
+        # gloo: its P/Q all-reduces start from callbacks; waiting keeps every rank's order the same
+        # (docs/torch-distributed.md#powersgd-on-gloo).
+        fut.wait()
         return fut
 
     return state, hook
@@ -241,7 +244,8 @@ def _sign(state: _SparseState, bucket: dist.GradBucket) -> torch.Tensor:
 
 
 def _localsgd(cfg: TrainConfig, group: dist.ProcessGroup | None, counter: CommCounter) -> tuple[Any, CommHook]:
-    # The default subgroup (one per node) raises on CPU; after warm-up no gradient is reduced at all.
+    # The default subgroup (one per node) raises on CPU (docs/torch-distributed.md#post-local-sgd-subgroup-on-cpu);
+    # after warm-up no gradient is reduced at all.
     subgroup = dist.new_subgroups(group_size=1)[0]
     state = post_localSGD_hook.PostLocalSGDState(
         process_group=group,

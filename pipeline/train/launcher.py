@@ -1,7 +1,8 @@
 """Start this node's training ranks with torchrun, wait for them within the time limit, and leave none behind.
 
 A timeout, Ctrl-C or any error here stops torchrun and every rank (:mod:`pipeline.train.procgroup`): killing
-torchrun alone leaves its ranks orphaned (NOTES.md, Prefect timeouts).
+torchrun alone leaves its ranks orphaned (docs/prefect.md#task-timeouts-and-torchrun,
+docs/torch-distributed.md#workers-outlive-their-agent).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def command(
     local = []
     if local_addr:
         # torchrun otherwise advertises the address its hostname resolves to, wrong on hosts with several
-        # interfaces, and guesses from the hostname whether it hosts the rendezvous store: say both outright.
+        # interfaces, and guesses from the hostname whether it hosts the rendezvous store: say both outright
+        # (docs/torch-distributed.md#choosing-the-rendezvous-host).
         hosting = rdzv_endpoint.rsplit(":", 1)[0] == local_addr
         local = ["--local-addr", local_addr, "--rdzv-conf", f"is_host={int(hosting)}"]
     return [
@@ -72,7 +74,8 @@ def command(
 def environment(cfg: TrainConfig) -> dict[str, str]:
     """The ranks' environment: ours, plus the settings torchrun and the CPU ranks need."""
     env = dict(os.environ) | cfg.env
-    # Restarted ranks otherwise dial a stale rank-0 address from the shared store (pytorch#135712, NOTES.md).
+    # Restarted ranks otherwise dial a stale rank-0 address from the shared store (pytorch#135712,
+    # docs/torch-distributed.md#stale-rendezvous-store-after-restarts).
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env["OMP_NUM_THREADS"] = str(cfg.threads_per_rank)
     return env

@@ -1,10 +1,11 @@
 """Run a command in a session of its own, and stop it together with every process it started.
 
 Signalling the process group is not enough for torchrun: it starts each rank in a session of its own, outside
-its group. So every process started here carries a marker in its environment, which all its descendants
-inherit whatever their session; stopping the job SIGTERMs the group (torchrun then stops its ranks in order),
-and after a grace period SIGKILLs the group and every process that still carries the marker. On Linux the
-kernel also SIGTERMs the command should the caller die without cleaning up (SIGKILL, a cancelled flow run).
+its group (docs/torch-distributed.md#workers-outlive-their-agent). So every process started here carries a marker
+in its environment, which all its descendants inherit whatever their session; stopping the job SIGTERMs the group
+(torchrun then stops its ranks in order), and after a grace period SIGKILLs the group and every process that still
+carries the marker. On Linux the kernel also SIGTERMs the command should the caller die without cleaning up
+(SIGKILL, a cancelled flow run).
 """
 
 from __future__ import annotations

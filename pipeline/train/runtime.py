@@ -49,7 +49,8 @@ def resolve_backend(cfg: TrainConfig) -> str:
 
 
 def resolve_precision(cfg: TrainConfig, device: torch.device) -> str:
-    """`auto` is bf16 autocast only on GPUs with bf16 support: on CPU it buys no speed here."""
+    """`auto` is bf16 autocast only on GPUs with bf16 support: on CPU it buys no speed here
+    (docs/torch-distributed.md#fp16-autocast-on-cpu)."""
     if cfg.precision != "auto":
         return cfg.precision
     bf16_gpu = device.type == "cuda" and torch.cuda.is_bf16_supported()
