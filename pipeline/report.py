@@ -6,6 +6,7 @@ report can be regenerated at any time with `pipeline runs show`.
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 from typing import Any
@@ -138,8 +139,25 @@ def _deploy(run: RunDir) -> list[str]:
     return ["## Deploy", "", *_table(list(rows[0]), [list(r.values()) for r in rows]), ""]
 
 
-def markdown(run: RunDir) -> str:
-    """The run's report.md: identity, stage table, training curves, gates, deploy table and outputs."""
+def _image(run: RunDir, relative: str, alt: str, embed: bool) -> list[str]:
+    """An image line: the file's relative path (report.md beside it), or the PNG inlined as a data URI.
+
+    Inlined, the image travels with the text: Prefect's UI shows a markdown artifact from the API, and cannot
+    reach a path on the worker's disk.
+    """
+    path = run.path / relative
+    if not path.exists():
+        return []
+    src = f"data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()}" if embed else relative
+    return [f"![{alt}]({src})", ""]
+
+
+def markdown(run: RunDir, embed_images: bool = False) -> str:
+    """The run's report.md: identity, stage table, training curves, gates, deploy table and outputs.
+
+    `embed_images` inlines the curves as a data URI, for a reader without the run directory (Prefect's UI);
+    otherwise the image is linked by its path relative to report.md.
+    """
     manifest = run.manifest()
     name = manifest.get("config", {}).get("run", {}).get("name", "?")
     lines = [
@@ -156,8 +174,7 @@ def markdown(run: RunDir) -> str:
     if epochs:
         keys = ["epoch", "train_loss", "val_loss", "val_accuracy"]
         lines += ["## Training", "", *_table(keys, [[e[k] for k in keys] for e in epochs]), ""]
-        if (run.path / CURVES).exists():
-            lines += [f"![loss and accuracy]({CURVES})", ""]
+        lines += _image(run, CURVES, "loss and accuracy", embed_images)
     lines += _gates(run) + _deploy(run) + ["## Outputs", ""]
     lines += [f"- {r['stage']}: `{path}`" for r in rows for path in r["outputs"].values()]
     return "\n".join(lines) + "\n"
