@@ -57,10 +57,15 @@ def _show(run: RunDir) -> None:
     table = Table(title=f"run {run.path}")
     for col in ("stage", "status", "seconds", "result"):
         table.add_column(col, justify="right" if col == "seconds" else "left")
-    for row in report.stage_rows(run):
+    rows = report.stage_rows(run)
+    for row in rows:
         seconds = f"{row['seconds']:.1f}" if row["seconds"] is not None else ""
         table.add_row(row["stage"], row["status"], seconds, row["summary"])
     console.print(table)
+    # The table shows a reason's first clause; the whole of it goes below, where it has the width it needs.
+    for row in rows:
+        if row["reason"] and row["summary"] != row["reason"]:
+            console.print(f"{row['stage']} {row['status']}: {row['reason']}", markup=False, highlight=False)
 
 
 @app.command()
