@@ -7,8 +7,11 @@ STAMP  := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
 # Debian packages the stand-in Jetson tests need (real sshd per device, namespaces; BusyBox, whose bare sh and
 # applets show the device-side script asks for nothing beyond POSIX); they skip, saying so, without.
 JETSON_PKGS := openssh-server openssh-client util-linux iproute2 procps busybox
+# Headless Chromium and its driver, for the test that opens the report in Prefect's UI (tests/flows/test_report_ui.py).
+BROWSER_PKGS := chromium chromium-driver
+SYSTEM_PKGS := $(JETSON_PKGS) $(BROWSER_PKGS)
 
-.PHONY: demo test test-all lint jetson-deps clean
+.PHONY: demo test test-all lint system-deps clean
 
 # compat: the editable install puts the repo on sys.path. The default finder loses `models` to the namespace
 # package that onnxruntime.transformers appends to sys.path (it has a `models/` directory without __init__.py).
@@ -21,24 +24,24 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/pipeline run --config configs/quickstart.toml
 
-test: $(STAMP) jetson-deps
+test: $(STAMP) system-deps
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 	$(BIN)/pytest -m "not slow"
 
-test-all: $(STAMP) jetson-deps
+test-all: $(STAMP) system-deps
 	$(BIN)/pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-imports
 
-jetson-deps:
-	@missing=$$(for p in $(JETSON_PKGS); do \
+system-deps:
+	@missing=$$(for p in $(SYSTEM_PKGS); do \
 	    dpkg-query -W -f='$${db:Status-Abbrev}' $$p 2>/dev/null | grep -q '^ii' || echo $$p; done); \
 	if [ -z "$$missing" ]; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
-	else echo "stand-in Jetson tests will skip: missing $$missing (apt-get install $$missing, as root)"; fi
+	else echo "tests needing them will skip: missing $$missing (apt-get install $$missing, as root)"; fi
 
 clean:
 	rm -rf artifacts/runs artifacts/devices .pytest_cache

@@ -51,8 +51,13 @@ def stage_task(stage: str, run_dir: str) -> dict[str, Any]:
 
 
 def publish(run: RunDir) -> None:
-    """The run's report, per-epoch metrics and deploy results as Prefect artifacts."""
-    create_markdown_artifact(report.write(run), key="train-to-deploy-report", description=f"run {run.path.name}")
+    """The run's report, per-epoch metrics and deploy results as Prefect artifacts.
+
+    report.md on disk links its curves by path; the artifact inlines them, since the UI cannot read the worker's disk.
+    """
+    report.write(run)
+    text = report.markdown(run, embed_images=True)
+    create_markdown_artifact(text, key="train-to-deploy-report", description=f"run {run.path.name}")
     if epochs := report.epoch_rows(run):
         create_table_artifact(epochs, key="train-metrics", description=f"per-epoch metrics, run {run.path.name}")
     if targets := report.deploy_rows(run):

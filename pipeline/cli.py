@@ -84,6 +84,8 @@ STAGE_COLUMNS = (
     Col("status"),
     Col("seconds", fmt=lambda s: "" if s is None else f"{s:.1f}", justify="right"),
     Col("summary", "result", text=True),
+    # The cell holds a skipped stage's first clause; the whole reason goes under the table.
+    Col("reason", below=True),
     Col("outputs", wide=True, fmt=lambda outputs: " ".join((outputs or {}).values())),
 )
 

@@ -6,7 +6,9 @@ report can be regenerated at any time with `pipeline runs show`.
 
 from __future__ import annotations
 
+import base64
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,8 @@ from pipeline.layout import CURVES, DEPLOY_RESULTS, METRICS, PARITY, REPORT
 from pipeline.manifest import RunDir
 from pipeline.stages import STAGES
 
+# Table cells keep a reason's first clause, at most this long; the full text goes below the table.
+SHORT_REASON = 60
 # The one number per stage worth seeing at a glance.
 HEADLINE = {
     "train": ("val_accuracy", "val accuracy {:.4f}"),
@@ -28,24 +32,45 @@ def _read_json(path: Path) -> Any:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def short_reason(reason: str, limit: int = SHORT_REASON) -> str:
+    """A reason's first clause for a table cell: up to the first '; ' or line break, at most about `limit` characters.
+
+    A longer clause is cut at a word boundary and never inside brackets or a `code span` (either would leave the
+    markdown unbalanced); whatever is left out is marked with '…'.
+    """
+    full = reason.strip()
+    first = re.split(r"; |\n", full, maxsplit=1)[0].strip()
+    if len(first) > limit:
+        cut = first[: limit + 1]
+        cut = cut.rsplit(" ", 1)[0] if " " in cut else cut[:limit]
+        while cut.count("(") > cut.count(")") or cut.count("`") % 2:
+            cut = cut[: cut.rfind("(" if cut.count("(") > cut.count(")") else "`")]
+        first = cut.rstrip(" ,:;-") or first[:limit].replace("`", "")
+    return first if first == full else first + "…"
+
+
 def stage_rows(run: RunDir) -> list[dict[str, Any]]:
-    """One row per stage in pipeline order: status, seconds, headline metric, reason and outputs."""
+    """One row per stage in pipeline order: status, seconds, headline metric (or short reason), reason and outputs.
+
+    `summary` is what a table cell shows: the headline metric, or for a skipped stage the first clause of its
+    reason; `reason` is the full text.
+    """
     stages = run.manifest().get("stages", {})
     rows = []
     for name in STAGES:
         entry = stages.get(name, {"status": "not run"})
         key, fmt = HEADLINE[name]
         value = entry.get("metrics", {}).get(key)
-        if entry["status"] == "skipped":
-            summary = entry.get("reason", "")
-        else:
-            summary = fmt.format(value) if value is not None else ""
+        reason = entry.get("reason", "") if entry["status"] == "skipped" else ""
+        headline = fmt.format(value) if value is not None else ""
+        summary = short_reason(reason) if reason else headline
         rows.append(
             {
                 "stage": name,
                 "status": entry["status"],
                 "seconds": entry.get("seconds"),
                 "summary": summary,
+                "reason": reason,
                 "outputs": entry.get("outputs", {}),
             }
         )
@@ -98,7 +123,9 @@ def plot_curves(run: RunDir, rows: list[dict[str, Any]]) -> Path | None:
 
 def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
     def cell(value: Any) -> str:
-        return f"{value:.4g}" if isinstance(value, float) else str(value)
+        text = f"{value:.4g}" if isinstance(value, float) else str(value)
+        # A line break or a bare '|' inside a cell would end the row or add a column.
+        return " ".join(text.split("\n")).replace("|", "\\|")
 
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     return lines + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
@@ -131,15 +158,53 @@ def deploy_rows(run: RunDir) -> list[dict[str, Any]]:
     return [{k: t.get(k, "") for k in keys} for t in results["targets"]]
 
 
+def _note(label: str, text: str) -> list[str]:
+    """A list item with a reason in full: inline when it is one line, else as a fenced block that keeps its lines."""
+    text = text.strip()
+    if "\n" not in text:
+        return [f"- {label}: {text}"]
+    fence = "`" * max([3, *(len(ticks) + 1 for ticks in re.findall(r"`+", text))])
+    return [f"- {label}:", "", f"  {fence}text", *(f"  {line}" for line in text.splitlines()), f"  {fence}"]
+
+
+def _notes(notes: list[tuple[str, str]]) -> list[str]:
+    """Full reasons for the table rows that show a shortened one; nothing when no row was shortened."""
+    if not notes:
+        return []
+    return ["Why, in full:", "", *(line for label, text in notes for line in _note(label, text)), ""]
+
+
 def _deploy(run: RunDir) -> list[str]:
     rows = deploy_rows(run)
     if not rows:
         return []
-    return ["## Deploy", "", *_table(list(rows[0]), [list(r.values()) for r in rows]), ""]
+    notes = []
+    for row in rows:
+        if (full := str(row.get("reason", ""))) and (short := short_reason(full)) != full:
+            row["reason"] = short
+            notes.append((f"**{row['target']}**", full))
+    return ["## Deploy", "", *_table(list(rows[0]), [list(r.values()) for r in rows]), "", *_notes(notes)]
 
 
-def markdown(run: RunDir) -> str:
-    """The run's report.md: identity, stage table, training curves, gates, deploy table and outputs."""
+def _image(run: RunDir, relative: str, alt: str, embed: bool) -> list[str]:
+    """An image line: the file's relative path (report.md beside it), or the PNG inlined as a data URI.
+
+    Inlined, the image travels with the text: Prefect's UI shows a markdown artifact from the API, and cannot
+    reach a path on the worker's disk.
+    """
+    path = run.path / relative
+    if not path.exists():
+        return []
+    src = f"data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()}" if embed else relative
+    return [f"![{alt}]({src})", ""]
+
+
+def markdown(run: RunDir, embed_images: bool = False) -> str:
+    """The run's report.md: identity, stage table, training curves, gates, deploy table and outputs.
+
+    `embed_images` inlines the curves as a data URI, for a reader without the run directory (Prefect's UI);
+    otherwise the image is linked by its path relative to report.md.
+    """
     manifest = run.manifest()
     name = manifest.get("config", {}).get("run", {}).get("name", "?")
     lines = [
@@ -152,12 +217,13 @@ def markdown(run: RunDir) -> str:
     rows = stage_rows(run)
     stage_table = [[r["stage"], r["status"], f"{r['seconds']:.1f}" if r["seconds"] else "", r["summary"]] for r in rows]
     lines += ["", *_table(["stage", "status", "seconds", "result"], stage_table), ""]
+    shortened = [r for r in rows if r["reason"] and r["summary"] != r["reason"]]
+    lines += _notes([(f"**{r['stage']}** {r['status']}", r["reason"]) for r in shortened])
     epochs = epoch_rows(run)
     if epochs:
         keys = ["epoch", "train_loss", "val_loss", "val_accuracy"]
         lines += ["## Training", "", *_table(keys, [[e[k] for k in keys] for e in epochs]), ""]
-        if (run.path / CURVES).exists():
-            lines += [f"![loss and accuracy]({CURVES})", ""]
+        lines += _image(run, CURVES, "loss and accuracy", embed_images)
     lines += _gates(run) + _deploy(run) + ["## Outputs", ""]
     lines += [f"- {r['stage']}: `{path}`" for r in rows for path in r["outputs"].values()]
     return "\n".join(lines) + "\n"
