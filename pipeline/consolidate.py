@@ -8,36 +8,22 @@ checkpoint is read; the optimizer state stays behind.
 from __future__ import annotations
 
 import hashlib
-import pickle
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from models import build_model
+from pipeline import safe_dcp
 from pipeline.config import Config
 from pipeline.data import DatasetInfo
 from pipeline.errors import PipelineError
-from pipeline.files import first_line, read_json, sha256_file
+from pipeline.files import read_json, sha256_file
 from pipeline.layout import DATASET, LATEST, MODEL_DIR, MODEL_JSON, SUMMARY, WEIGHTS
 from pipeline.manifest import RunDir, Stage, StageResult, run_stage, tool_versions
 from pipeline.modelfile import write_model
-
-_DCP_METADATA = ".metadata"
-_DCP_RECORDS = "torch.distributed.checkpoint.metadata"
-_SAFE_GLOBALS = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"),
-}
-_SAFE_MODULES = {module for module, _ in _SAFE_GLOBALS} | {_DCP_RECORDS}
 
 
 def run(cfg: Config, run: RunDir, log: Callable[[str], None] = print) -> StageResult:
@@ -51,8 +37,8 @@ def _consolidate(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageR
     val_accuracy = _val_accuracy(run.path / SUMMARY)
     model = build_model(cfg.model.name, len(info.classes), info.channels)
     state = model.state_dict()  # shares storage with the module: DCP loads into it in place
-    _check_fits(_read_metadata(step_dir), state, step_dir, cfg.model.name)
-    _load_checkpoint(state, step_dir)
+    _check_fits(safe_dcp.read_metadata(step_dir), state, step_dir, cfg.model.name)
+    safe_dcp.load({"model": state}, step_dir, no_dist=True)
     _check_finite(state, step_dir)
     meta = model_json(cfg, info, step_dir, val_accuracy)
     write_model(run.path / MODEL_DIR, state, meta)
@@ -85,37 +71,6 @@ def _val_accuracy(path: Path) -> float:
     return float(value)
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Resolves only the plain record types a DCP `.metadata` file is made of.
-
-    DCP reads that file with bare `pickle.load`; reading it through this first means a planted pickle is refused
-    before it can run anything.
-    """
-
-    def find_class(self, module: str, name: str) -> Any:
-        """Return an allowed global; refuse everything else without importing it."""
-        if module in _SAFE_MODULES:
-            found = super().find_class(module, name)
-            record = module == _DCP_RECORDS and isinstance(found, type) and found.__module__ == module
-            if record or (module, name) in _SAFE_GLOBALS or isinstance(found, torch.dtype):
-                return found
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
-
-
-def _read_metadata(step_dir: Path) -> Metadata:
-    path = step_dir / _DCP_METADATA
-    try:
-        with path.open("rb") as fh:
-            metadata = _MetadataUnpickler(fh).load()
-    except FileNotFoundError:
-        raise PipelineError(f"{step_dir}: not a complete DCP checkpoint ({_DCP_METADATA} is missing)") from None
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, OSError) as err:
-        raise PipelineError(f"{path}: corrupt checkpoint metadata: {err}") from None
-    if not isinstance(metadata, Metadata):
-        raise PipelineError(f"{path}: corrupt checkpoint metadata: holds a {type(metadata).__name__}")
-    return metadata
-
-
 def _some(keys: list[str]) -> str:
     return ", ".join(keys[:3]) + (f" (+{len(keys) - 3} more)" if len(keys) > 3 else "")
 
@@ -138,18 +93,6 @@ def _check_fits(metadata: Metadata, state: dict[str, torch.Tensor], step_dir: Pa
             problems.append(f"{key} has shape {list(item.size)}, {arch} expects {list(tensor.shape)}")
     if problems:
         raise PipelineError(f"{step_dir}: checkpoint does not fit model.name={arch!r}: {'; '.join(problems[:3])}")
-
-
-def _load_checkpoint(state: dict[str, torch.Tensor], step_dir: Path) -> None:
-    with warnings.catch_warnings():
-        # Loading without a process group is the point here; DCP warns about it anyway.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        try:
-            dcp.load({"model": state}, checkpoint_id=step_dir, no_dist=True)
-        except dcp.CheckpointException as err:
-            causes = [failure[0] if isinstance(failure, tuple) else failure for failure in err.failures.values()]
-            cause = first_line(causes[0], typed=True) if causes else str(err)
-            raise PipelineError(f"{step_dir}: cannot read checkpoint: {cause}") from None
 
 
 def _check_finite(state: dict[str, torch.Tensor], step_dir: Path) -> None:

@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
+from pipeline import safe_dcp
 from pipeline.config import Config
 from pipeline.errors import PipelineError
 from pipeline.files import read_json, write_json
@@ -69,8 +70,11 @@ def resume_key(cfg: Config) -> str:
 def resumable(root: Path, cfg: Config) -> Path | None:
     """The `latest` checkpoint when `cfg` may resume it, None when there is none; another config's is an error."""
     found = latest(root)
-    if found is not None and read_meta(found).get("resume_key") != resume_key(cfg):
+    if found is None:
+        return None
+    if read_meta(found).get("resume_key") != resume_key(cfg):
         raise PipelineError(f"{found}: written for a different data/model config; train into a new run directory")
+    safe_dcp.read_metadata(found)  # refused here, once, before any rank starts, rather than on every rank
     return found
 
 
@@ -185,7 +189,7 @@ def load(step_dir: Path, model: nn.Module, optim: Optimizer) -> dict[str, Any]:
     """Restore model and optimizer from a complete checkpoint on all ranks; return its trainer.json."""
     meta = read_meta(step_dir)
     state = _state(model, optim)
-    dcp.load(state, checkpoint_id=step_dir)
+    safe_dcp.load(state, step_dir)
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rng = step_dir / f"rng-{dist.get_rank()}.pt"
     if rng.is_file():  # absent when the world grew: such a rank keeps its own seed
