@@ -1,12 +1,19 @@
-"""Small file helpers every module uses: sha256 of a file, JSON written atomically and read with one-line errors,
-and the first line of an error message."""
+"""Small file helpers every module uses: sha256 of a file, durable atomic writes, JSON read with one-line errors,
+and the first line of an error message.
+
+A write that publishes data is durable: the data is written to a temp file beside the target and fsynced, renamed
+over the target, and the directory fsynced, so after a power cut a reader finds the old file or the new one, whole
+(a rename alone can reach the disk before the data it names).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +31,53 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def write_text(path: Path, text: str) -> None:
-    """Write a text file atomically (temp file + rename): a crash never leaves half a file behind."""
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (renames, new names) to disk."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    """Flush a file's data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(tmp: Path, dest: Path) -> None:
+    """Make the fully written `tmp` become `dest`, durably: fsync the data, one rename, fsync the directory."""
+    fsync_file(tmp)
+    os.replace(tmp, dest)
+    fsync_dir(dest.parent)
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """A temp path beside `path` for a writer that wants a file name (safetensors, onnx.save, torch.save);
+    published as `path` when the block ends without an error, removed otherwise."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        yield tmp
+        publish(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    """Write a file durably and atomically: a crash never leaves half a file, or a name without its data."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write a text file durably and atomically (see :func:`write_bytes`)."""
+    write_bytes(path, text.encode())
 
 
 def write_json(path: Path, data: Any) -> None:

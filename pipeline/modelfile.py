@@ -6,7 +6,6 @@ layout and normalisation, the validation accuracy and where the weights came fro
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -17,20 +16,15 @@ from torch import nn
 
 from models import MODELS, build_model
 from pipeline.errors import PipelineError
-from pipeline.files import read_json, write_json
+from pipeline.files import atomic_path, read_json, write_json
 from pipeline.layout import MODEL_JSON_NAME, WEIGHTS_NAME
 
 
 def write_model(model_dir: Path, state: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
     """Write the weights (one rename, tagged with the architecture) and then model.json into `model_dir`."""
-    model_dir.mkdir(parents=True, exist_ok=True)
-    tmp = model_dir / f".{WEIGHTS_NAME}.{os.getpid()}.tmp"
     tags = {"format": "pt", "architecture": meta["architecture"], "num_classes": str(meta["num_classes"])}
-    try:
+    with atomic_path(model_dir / WEIGHTS_NAME) as tmp:
         save_file({k: t.detach().contiguous() for k, t in state.items()}, str(tmp), metadata=tags)
-        os.replace(tmp, model_dir / WEIGHTS_NAME)
-    finally:
-        tmp.unlink(missing_ok=True)
     write_json(model_dir / MODEL_JSON_NAME, meta)
 
 

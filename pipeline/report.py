@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from pipeline.files import write_text
 from pipeline.layout import CURVES, DEPLOY_RESULTS, METRICS, PARITY, REPORT
 from pipeline.manifest import RunDir
 from pipeline.stages import STAGES
@@ -233,5 +234,5 @@ def write(run: RunDir) -> str:
     """Plot the curves, write report.md into the run directory and return its text."""
     plot_curves(run, epoch_rows(run))
     text = markdown(run)
-    (run.path / REPORT).write_text(text)
+    write_text(run.path / REPORT, text)
     return text

@@ -24,6 +24,7 @@ from pipeline.config import Config
 from pipeline.errors import PipelineError
 from pipeline.files import read_json, write_json
 from pipeline.manifest import RunDir, create_run_dir
+from tests.durability import publishes, strace, unsynced_publishes
 
 STEP = 12
 
@@ -345,3 +346,13 @@ def test_peak_memory_stays_within_twice_the_weights(tmp_path: Path) -> None:
     assert found["weights"] >= 100e6
     extra = found["peak"] - found["before"]
     assert extra <= 2.0 * found["weights"], f"peak {extra / 2**20:.0f} MB over {found['weights'] / 2**20:.0f} MB"
+
+
+def test_consolidate_publishes_every_file_durably(cfg: Config, run: RunDir, source: nn.Module) -> None:
+    """Under strace: model.safetensors, model.json and manifest.json each reach their name only after an fsync of
+    their data, so a power cut cannot leave a name pointing at data that never reached the disk."""
+    log = run.path.parent / "strace.log"
+    proc = strace([sys.executable, "-m", "pipeline", "consolidate", "--run-dir", str(run.path)], log, text=True)
+    assert proc.returncode == 0
+    assert publishes(log, run.path) >= 3  # the weights, model.json, the manifest: the trace saw them
+    assert unsynced_publishes(log, run.path) == []

@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from pipeline.config import Config, load_config
-from pipeline.manifest import RunDir, StageResult, create_run_dir, run_stage
+from pipeline.manifest import RunDir, Stage, StageResult, create_run_dir, run_stage
 
 
 def _copy_stage(run: RunDir, calls: list[str]):
@@ -18,7 +18,12 @@ def _copy_stage(run: RunDir, calls: list[str]):
 
 
 def _run(run: RunDir, cfg: Config, calls: list[str]) -> StageResult:
-    return run_stage(run, cfg, "copy", ("train",), ["in.txt"], _copy_stage(run, calls), log=lambda _: None)
+    stage = Stage("copy", sections=("train",), inputs=("in.txt",), outputs={"out": "out.txt"}, run=_unused)
+    return run_stage(run, cfg, stage, _copy_stage(run, calls), log=lambda _: None)
+
+
+def _unused(*_args: object, **_kwargs: object) -> StageResult:
+    raise AssertionError("the runner calls the body, not the stage's own entry point")
 
 
 def test_unchanged_inputs_and_config_are_cached(tmp_path: Path):

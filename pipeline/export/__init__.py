@@ -25,7 +25,7 @@ from pipeline.errors import PipelineError
 from pipeline.export.onnx_export import export_onnx
 from pipeline.export.parity import check_parity, save_sample, variant_accuracy
 from pipeline.export.variants import VARIANTS, to_fp16, to_int8
-from pipeline.files import write_json
+from pipeline.files import publish, write_json
 from pipeline.layout import MODEL_DIR, MODEL_JSON, ONNX, ONNX_DIR, PARITY, SAMPLE, WEIGHTS, onnx_name, onnx_path
 from pipeline.manifest import RunDir, Stage, StageResult, run_stage
 from pipeline.modelfile import load_model
@@ -184,7 +184,7 @@ def _accuracy_gate(report: dict[str, Any], path: Path) -> None:
 def _promote(staging: Path, onnx_dir: Path, files: dict[str, Path]) -> None:
     """Move the checked files into onnx/ and drop variant files of earlier runs that this run did not make."""
     for path in staging.iterdir():
-        os.replace(path, onnx_dir / path.name)
+        publish(path, onnx_dir / path.name)
     for variant in VARIANTS:
         if variant not in files:
             (onnx_dir / onnx_name(variant)).unlink(missing_ok=True)

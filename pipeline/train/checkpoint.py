@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 from pipeline import safe_dcp
 from pipeline.config import Config
 from pipeline.errors import PipelineError
-from pipeline.files import read_json, write_json
+from pipeline.files import fsync_dir, read_json, write_json
 
 TRAINER_JSON = "trainer.json"
 LATEST = "latest"
@@ -84,6 +84,7 @@ def _point_latest(root: Path, name: str) -> None:
     tmp.unlink(missing_ok=True)
     os.symlink(name, tmp)
     os.replace(tmp, root / LATEST)
+    fsync_dir(root)  # the commit point of a checkpoint: durable before training goes on
 
 
 def prune(root: Path, keep: int) -> list[Path]:

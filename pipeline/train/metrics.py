@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+
+from pipeline.files import write_text
 
 
 def _kept(record: dict[str, Any], start_epoch: int, start_step: int | None) -> bool:
@@ -35,10 +36,7 @@ class MetricsLog:
     """Append-only JSON-lines writer that, on resume, keeps exactly the lines of the epochs (and steps) done."""
 
     def __init__(self, path: Path, start_epoch: int, start_step: int | None = None) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text("".join(f"{line}\n" for line in _kept_lines(path, start_epoch, start_step)))
-        os.replace(tmp, path)
+        write_text(path, "".join(f"{line}\n" for line in _kept_lines(path, start_epoch, start_step)))
         self._fh = path.open("a", buffering=1)
 
     def write(self, record: dict[str, Any]) -> None:
