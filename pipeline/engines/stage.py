@@ -1,6 +1,6 @@
 """The build stage: TensorRT engines published under `engines/<class>/`, one per device class.
 
-Without `build.classes` it builds for this host's class (pipeline.engines.fleet handles declared classes). An engine
+Without `build.classes` it builds for this host's class (pipeline.engines.build handles declared classes). An engine
 is built in a staging directory, verified, and moved into place only when all of that succeeded, so a failed or
 interrupted build never replaces a good engine. Without TensorRT the stage is skipped, never faked.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import BuildClass, Config
-from pipeline.engines import engine_job, fleet, python_api, trtexec
+from pipeline.engines import build, engine_job, python_api, trtexec
 from pipeline.engines.built import Built
 from pipeline.engines.detect import Choice, choose
 from pipeline.engines.engine_job import Job
@@ -226,18 +226,18 @@ def declared_classes(cfg: Config, log: Callable[[str], None]) -> list[BuildClass
 
 
 def _classes_body(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageResult:
-    ctx = fleet.Context(cfg, run, input_profile(run.path / ONNX, cfg.export), log)
+    ctx = build.Context(cfg, run, input_profile(run.path / ONNX, cfg.export), log)
     rows: list[dict[str, Any]] = []
     errors: list[str] = []
     for klass in declared_classes(cfg, log):
         try:
-            rows.append(fleet.build_class(ctx, klass))
+            rows.append(build.build_class(ctx, klass))
         except PipelineError as err:
             errors.append(f"{klass.name}: {err}")
     write_json(run.path / CLASSES, rows)
     if errors:
         raise PipelineError(f"build: {len(errors)} class(es) failed: {'; '.join(errors)}")
-    made = [row for row in rows if row["status"] != fleet.NOT_BUILT]
+    made = [row for row in rows if row["status"] != build.NOT_BUILT]
     metrics = {
         "classes": {row["class"]: row for row in rows},
         "engines": len(made),
