@@ -12,7 +12,8 @@ import os
 import shlex
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from pipeline.layout import BUILD_INFO, ENGINES, PLAN, SAMPLE, engine_dir
 from pipeline.manifest import RunDir
 
 NOT_BUILT = "not built"
+FAILED_LOG = "build-failed.log"
 
 
 class NotBuilt(Exception):
@@ -119,14 +121,14 @@ def _here(ctx: Context, klass: BuildClass, version: str | None, exe: str | None)
     hit = _reuse(ctx, klass, version, options)
     if hit is not None:
         return hit
-    with Staging(ctx, klass) as staging:
-        job = _job(ctx, klass, staging, version, options)
+    with _staging(ctx, klass) as workdir:
+        job = _job(ctx, klass, workdir, version, options)
         if exe is not None:
-            runner = Local(exe, staging)
+            runner = Local(exe, workdir)
             built = asyncio.run(engine_job.build(runner, job))
             checks = asyncio.run(_verify(ctx, runner, job))
         else:
-            built = python_api.build(ctx.run.path, staging, ctx.profile, options, ctx.log)
+            built = python_api.build(ctx.run.path, workdir, ctx.profile, options, ctx.log)
             checks = _verify_python(ctx, job)
         return _publish(ctx, klass, job, built, checks)
 
@@ -141,8 +143,8 @@ async def _on_device(ctx: Context, klass: BuildClass, target: SshTarget) -> dict
             hit = _reuse(ctx, klass, version, options)
             if hit is not None:
                 return hit
-            with Staging(ctx, klass) as staging:
-                job = _job(ctx, klass, staging, version, options)
+            with _staging(ctx, klass) as workdir:
+                job = _job(ctx, klass, workdir, version, options)
                 runner = Remote(device, klass.device_trtexec, f"/tmp/edge-build-{os.getpid()}-{klass.name}")
                 await runner.open()
                 try:
@@ -166,11 +168,11 @@ def _target(cfg: Config, klass: BuildClass) -> SshTarget:
     raise PipelineError(f"build.classes: {klass.name}: target {klass.target!r} is not in {cfg.deploy.inventory}")
 
 
-def _job(ctx: Context, klass: BuildClass, staging: Path, version: str, options: Options) -> Job:
+def _job(ctx: Context, klass: BuildClass, workdir: Path, version: str, options: Options) -> Job:
     seed = cache.timing_cache(ctx.cfg.build.cache_dir, klass.name)
     if seed.is_file():
-        shutil.copyfile(seed, staging / engine_job.CACHE)
-    return Job(klass.name, ctx.run.path, staging, ctx.profile, options, version, ctx.cfg.build.timeout_s)
+        shutil.copyfile(seed, workdir / engine_job.CACHE)
+    return Job(klass.name, ctx.run.path, workdir, ctx.profile, options, version, ctx.cfg.build.timeout_s)
 
 
 def _reuse(ctx: Context, klass: BuildClass, version: str, options: Options) -> dict[str, Any] | None:
@@ -214,25 +216,25 @@ def _verify_python(ctx: Context, job: Job) -> dict[str, Any]:
     return asyncio.run(_verify(ctx, Local(exe, job.staging), job))
 
 
-class Staging:
-    """A fresh staging directory for one class, removed afterwards (a failed build keeps its log)."""
-
-    def __init__(self, ctx: Context, klass: BuildClass) -> None:
-        self.path = ctx.engines / f".staging-{os.getpid()}-{klass.name}"
-        self.failed_log = ctx.engines / klass.name / "build-failed.log"
-
-    def __enter__(self) -> Path:
-        shutil.rmtree(self.path, ignore_errors=True)
-        self.path.mkdir(parents=True)
-        return self.path
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
-        log = self.path / engine_job.LOG
-        if isinstance(exc, PipelineError) and log.is_file():
-            self.failed_log.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(log, self.failed_log)
-            exc.args = (f"{exc} (full log: {self.failed_log})",)
-        shutil.rmtree(self.path, ignore_errors=True)
+@contextmanager
+def _staging(ctx: Context, klass: BuildClass) -> Iterator[Path]:
+    """A fresh staging directory for one class, removed afterwards. A build failing with a trtexec log keeps the
+    log as `engines/<class>/build-failed.log` and raises the error again with that path."""
+    path = ctx.engines / f".staging-{os.getpid()}-{klass.name}"
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    try:
+        yield path
+    except PipelineError as err:
+        log = path / engine_job.LOG
+        if not log.is_file():
+            raise
+        failed_log = ctx.engines / klass.name / FAILED_LOG
+        failed_log.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(log, failed_log)
+        raise PipelineError(f"{err} (full log: {failed_log})") from None
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _publish(ctx: Context, klass: BuildClass, job: Job, built: Built, checks: dict[str, Any]) -> dict[str, Any]:
@@ -271,7 +273,7 @@ def _publish(ctx: Context, klass: BuildClass, job: Job, built: Built, checks: di
     for src, name in ((PLAN, PLAN), ("timing.cache", "timing.cache"), ("trtexec.log", "build.log")):
         if (job.staging / src).is_file():
             os.replace(job.staging / src, dest / name)
-    (dest / "build-failed.log").unlink(missing_ok=True)
+    (dest / FAILED_LOG).unlink(missing_ok=True)
     info["cache"] = "miss"
     write_json(dest / BUILD_INFO, info)
     ctx.log(f"[build] {klass.name}: built ({(dest / PLAN).stat().st_size / 1e6:.2f} MB), cache miss")
