@@ -5,7 +5,7 @@ the same path as a declared class (pipeline.engines.build): engine cache, stagin
 TensorRT the stage is skipped with the reason, never faked.
 
 Caching: the engine cache serves every class. This host's build is also cached as a stage, keyed on the host's
-fingerprint (builder, TensorRT version, GPU), so an unchanged re-run is `cached` without probing or copying anything;
+fingerprint (builder, TensorRT version, GPU), so an unchanged re-run is `cached` without building or copying anything;
 declared classes depend on builders outside the run (other executables, devices over SSH) that no fingerprint here
 covers, so that stage always runs and the engine cache makes each unchanged class a copy.
 """
