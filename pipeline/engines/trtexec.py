@@ -1,4 +1,4 @@
-"""Engine builds with NVIDIA's `trtexec`, run as its own process group under a timeout."""
+"""NVIDIA's `trtexec`: its version banner, its error lines, and running it in its own process group under a timeout."""
 
 from __future__ import annotations
 
