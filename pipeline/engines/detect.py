@@ -1,14 +1,19 @@
-"""Which TensorRT builder this host offers: the Python API, a `trtexec` executable, or none."""
+"""This host as a device class: which TensorRT builder it offers (the Python API, a `trtexec` executable, or none),
+that builder's TensorRT version and the GPU, and the class they name (`local-<sm>-trt<version>`)."""
 
 from __future__ import annotations
 
 import shutil
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
-from pipeline.config import BuildConfig
+from pipeline.config import BuildClass, BuildConfig
+from pipeline.engines import python_api, trtexec
 from pipeline.errors import PipelineError
-from pipeline.host import python_api_problem
+from pipeline.fleet.classes import device_class
+from pipeline.host import local_sm, python_api_problem
 
 Builder = Literal["python", "trtexec"]
 
@@ -37,3 +42,47 @@ def choose(cfg: BuildConfig) -> Choice:
     if cfg.builder == "trtexec":
         raise PipelineError(f"build.trtexec: {cfg.trtexec!r} is not an executable on PATH (build.builder = 'trtexec')")
     return Choice(None, reason=f"no TensorRT: {problem} and trtexec is not on PATH ({cfg.trtexec!r})")
+
+
+@dataclass(frozen=True)
+class Host:
+    """The chosen builder and what is known about this host before building."""
+
+    choice: Choice
+    tensorrt_version: str | None = None
+    sm: str | None = None
+
+    def fingerprint(self) -> str:
+        """Part of the stage's cache key: a new TensorRT or GPU makes the cached engine stale."""
+        return f"{self.choice.builder} {self.tensorrt_version or '?'} {self.sm or '?'}"
+
+    def as_class(self, engines: Path) -> BuildClass:
+        """This host's class as far as it is known before building (`local` while the GPU or TensorRT version is
+        unknown: the build then names it). trtexec reports the GPU only while building, so without a reading from
+        torch or nvidia-smi this host's one earlier class with this TensorRT version in `engines` names it."""
+        sm = self.sm or _earlier_sm(engines, self.tensorrt_version)
+        # Probed, not declared: the TensorRT version may be unknown (""), which a [[build.classes]] entry may not be.
+        return BuildClass.model_construct(
+            name=device_class(sm, self.tensorrt_version),
+            tensorrt=self.tensorrt_version or "",
+            sm=sm or "",
+            builder=self.choice.builder,
+        )
+
+
+def probe_host(choice: Choice) -> Host:
+    """Learn the TensorRT version and GPU of the chosen builder (nothing for "no builder")."""
+    if choice.builder == "python":
+        return Host(choice, python_api.tensorrt_version(), local_sm())
+    if choice.builder == "trtexec":
+        assert choice.trtexec is not None
+        with tempfile.TemporaryDirectory() as scratch:
+            version = trtexec.probe_version(choice.trtexec, Path(scratch))
+        return Host(choice, version, local_sm())
+    return Host(choice)
+
+
+def _earlier_sm(engines: Path, version: str | None) -> str | None:
+    """The GPU of the one `engines/local-<sm>-trt<version>` directory, None when there is none or several."""
+    earlier = sorted(engines.glob(f"local-sm*-trt{version}")) if version else []
+    return earlier[0].name.split("-")[1] if len(earlier) == 1 else None

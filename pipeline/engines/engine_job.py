@@ -60,7 +60,7 @@ async def build(runner: Runner, job: Job) -> Built:
     await runner.get(CACHE, job.staging / CACHE)
     fp16 = "--fp16" in chosen.precision_flags
     version = parse_version(output) or job.version
-    return Built(version, parse_sm(output), fp16, ["trtexec", *args], chosen.onnx, chosen.precision_flags, notes)
+    return Built(version, parse_sm(output), fp16, [runner.exe, *args], chosen.onnx, chosen.precision_flags, notes)
 
 
 async def check(runner: Runner, job: Job, sample: Path | None) -> dict[str, Any]:

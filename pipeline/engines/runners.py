@@ -1,7 +1,8 @@
 """Where trtexec runs: here (`Local`) or on a device over SSH (`Remote`), behind one small async interface.
 
-A runner owns a work directory the tool sees; `put` places a file there, `get` copies one back, `tool` runs trtexec
-with arguments that name files by their `path`. The build and verification steps are written once against it.
+A runner owns a work directory the tool sees; `put` makes a file available to the tool under a name (uploaded to a
+device; read where it is here), `get` copies one back, `tool` runs trtexec with arguments that name files by their
+`path`. The build and verification steps are written once against it.
 """
 
 from __future__ import annotations
@@ -28,13 +29,15 @@ class Runner(Protocol):
 
     where: str
     """Shown in messages: "this host" or "device <name>"."""
+    exe: str
+    """trtexec as the runner calls it (recorded in build.json's `command`)."""
 
     def path(self, name: str) -> str:
-        """How the tool names file `name` of the work directory."""
+        """How the tool names file `name` (one given to `put`, or one it writes in the work directory)."""
         ...
 
     async def put(self, local: Path, name: str) -> None:
-        """Place `local` in the work directory as `name`."""
+        """Make `local` available to the tool as `name`."""
         ...
 
     async def get(self, name: str, local: Path) -> bool:
@@ -57,19 +60,20 @@ class Local:
         self.exe = exe
         self.workdir = workdir
         self.where = "this host"
+        self._placed: dict[str, Path] = {}
 
     def path(self, name: str) -> str:
-        """Absolute path of `name` in the work directory."""
-        return str(self.workdir / name)
+        """Absolute path of `name`: the file given to `put`, else the work directory's."""
+        return str(self._placed.get(name, self.workdir / name))
 
     async def put(self, local: Path, name: str) -> None:
-        """Copy `local` in (nothing to do when it is already there)."""
-        if local.resolve() != (self.workdir / name).resolve():
-            shutil.copyfile(local, self.workdir / name)
+        """Let the tool read `local` where it is: no copy of a large ONNX file, whose external-data files (if any)
+        stay beside it, and build.json's command names the run's own file."""
+        self._placed[name] = local
 
     async def get(self, name: str, local: Path) -> bool:
-        """Copy `name` out."""
-        src = self.workdir / name
+        """Copy `name` out (nothing to do when it is already there)."""
+        src = Path(self.path(name))
         if not src.is_file():
             return False
         if src.resolve() != local.resolve():
@@ -78,7 +82,7 @@ class Local:
 
     async def sha256(self, name: str) -> str | None:
         """sha256 of the local file."""
-        path = self.workdir / name
+        path = Path(self.path(name))
         return sha256_file(path) if path.is_file() else None
 
     async def tool(self, args: list[str], log: Path, timeout_s: int) -> tuple[int, str]:

@@ -1,4 +1,4 @@
-"""Engine builds with NVIDIA's `trtexec`, run as its own process group under a timeout."""
+"""NVIDIA's `trtexec`: its version banner, its error lines, and running it in its own process group under a timeout."""
 
 from __future__ import annotations
 
@@ -9,13 +9,8 @@ import signal
 import subprocess
 from pathlib import Path
 
-from pipeline.engines import flags
-from pipeline.engines.built import Built
-from pipeline.engines.flags import Options
-from pipeline.engines.profile import Profile
 from pipeline.errors import PipelineError
 from pipeline.host import sm_tag
-from pipeline.layout import PLAN
 
 # Every trtexec run starts with `&&&& RUNNING TensorRT.trtexec [TensorRT v100300] # trtexec ...`: the packed
 # NV_TENSORRT_VERSION, major*10000 + minor*100 + patch since 10.0 and major*1000 + minor*100 + patch before.
@@ -86,32 +81,3 @@ def probe_version(exe: str, scratch: Path) -> str | None:
     except (OSError, PipelineError):
         return None
     return parse_version(output)
-
-
-def command(exe: str, onnx: Path, plan: Path, cache: Path, args: list[str]) -> list[str]:
-    """The trtexec build command line: `args` from :func:`pipeline.engines.flags.trtexec_args`."""
-    return [exe, f"--onnx={onnx}", f"--saveEngine={plan}", f"--timingCacheFile={cache}", *args]
-
-
-def build(
-    exe: str,
-    run_path: Path,
-    staging: Path,
-    profile: Profile,
-    options: Options,
-    version: str | None,
-    timeout_s: float,
-) -> Built:
-    """Build `staging/model.plan` (timing cache `staging/timing.cache`, log `staging/trtexec.log`)."""
-    chosen = flags.plan(version, options, run_path)
-    args, notes = flags.trtexec_args(version, chosen, options, profile)
-    cmd = command(exe, run_path / chosen.onnx, staging / PLAN, staging / "timing.cache", args)
-    returncode, output = run_logged(cmd, staging / "trtexec.log", timeout_s)
-    if returncode != 0:
-        raise PipelineError(f"build: trtexec exited with status {returncode}: {last_error(output)}")
-    if not (staging / PLAN).is_file():
-        raise PipelineError(f"build: trtexec exited 0 but wrote no engine: {last_error(output)}")
-    fp16 = "--fp16" in chosen.precision_flags
-    return Built(
-        version or parse_version(output), parse_sm(output), fp16, cmd, chosen.onnx, chosen.precision_flags, notes
-    )

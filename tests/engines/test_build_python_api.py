@@ -1,20 +1,26 @@
 """The TensorRT Python API build against a STAND-IN `tensorrt` module (the real one needs NVIDIA's index and a GPU):
-which network and builder flags each major version gets, and which ONNX file is parsed."""
+which network and builder flags each major version gets, which ONNX file is parsed, and this host's class built
+through it."""
 
 from __future__ import annotations
 
 import enum
+import json
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from pipeline.engines import python_api
+from pipeline import engines
+from pipeline.config import BuildConfig, Config
+from pipeline.engines import detect, python_api
 from pipeline.engines.flags import Options
 from pipeline.engines.profile import Profile
 from pipeline.errors import PipelineError
+from pipeline.manifest import RunDir
 
 
 def standin_tensorrt(version: str, parse_ok: bool = True) -> tuple[types.ModuleType, dict[str, Any]]:
@@ -148,3 +154,26 @@ def test_parser_error_is_reported(run_path: Path, monkeypatch: pytest.MonkeyPatc
         python_api.build(
             run_path, run_path / "staging", Profile((1, 16, 16), 8, 32), Options("fp16", 64), log=lambda _: None
         )
+
+
+def test_host_class_built_with_the_python_api(
+    make_run: Callable[[Config], RunDir], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """This host's class through the one build path with the Python API builder (stand-in module, no GPU needed)."""
+    trt, _ = standin_tensorrt("10.3.0")
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setattr(detect, "python_api_problem", lambda: None)
+    monkeypatch.setattr(detect, "local_sm", lambda: "sm87")
+    absent = str(tmp_path / "no-trtexec")
+    cfg = Config(build=BuildConfig(builder="python", trtexec=absent, cache_dir=tmp_path / "engine-cache"))
+    run = make_run(cfg)
+    result = engines.run(cfg, run, log=lambda _: None)
+
+    klass = "local-sm87-trt10.3.0"
+    assert result.status == "done" and result.metrics["class"] == klass and result.metrics["builder"] == "python"
+    assert (run.path / result.outputs["engine"]).read_bytes() == b"plan"
+    assert (run.path / f"engines/{klass}/timing.cache").read_bytes() == b"cache"
+    info = json.loads((run.path / result.outputs["build_info"]).read_text())
+    assert info["builder"] == "python" and info["command"] is None and info["tensorrt_version"] == "10.3.0"
+    assert info["verification"] == {"checked": False, "reason": f"no trtexec here ({absent!r}) to verify with"}
+    assert engines.run(cfg, run, log=lambda _: None).status == "cached"

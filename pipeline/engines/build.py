@@ -1,25 +1,35 @@
-"""Engines for declared device classes: one per class, from the engine cache when its key matches, else built by
-the class's builder (Python API or trtexec here, trtexec on a device over SSH) and verified before it is published.
+"""The one build path: an engine per device class, from the engine cache when its key matches, else built by the
+class's builder (the Python API or trtexec here, trtexec on a device over SSH), verified where it was built, and
+published to `engines/<class>/` with its build.json (one set of fields for every class).
 
-A class that cannot be built here is reported "not built" with the reason; the deploy contract for such a class is
-an install-time build on the device (builder "device" without a build target).
+This host is a device class too (`build_host`): its class, `local-<sm>-trt<version>`, is built by its own builder
+with a local runner, like a declared class with builder "python" or "trtexec". trtexec reports the GPU only while
+building, so a host class not yet named before the build (`local`) is published under the name the build gives it.
+
+A failed build keeps trtexec's log as `engines/<class>/build-failed.log` (the class as named when the build started)
+and its error says "(full log: PATH)"; the next successful build of that class removes it. A declared class that
+cannot be built here is reported "not built" with the reason; the deploy contract for such a class is an
+install-time build on the device (builder "device" without a build target).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shlex
 import shutil
-import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pipeline.config import BuildClass, Config
-from pipeline.engines import cache, engine_job, python_api, trtexec
+from pipeline.engines import cache, engine_job, python_api
 from pipeline.engines.built import Built
+from pipeline.engines.detect import Choice, Host, probe_host
 from pipeline.engines.engine_job import Job
 from pipeline.engines.flags import Options
 from pipeline.engines.flags import plan as onnx_plan
@@ -28,14 +38,16 @@ from pipeline.engines.runners import Local, Remote
 from pipeline.engines.verify import same_version
 from pipeline.errors import PipelineError
 from pipeline.files import read_json, sha256_file, write_json
+from pipeline.fleet.classes import device_class
 from pipeline.fleet.inventory import SshTarget, load_inventory
 from pipeline.fleet.probe import SOCS, parse_facts, probe_script
 from pipeline.fleet.ssh import FAILURES, Device, HostKeyRefused
-from pipeline.host import local_sm, python_api_problem
+from pipeline.host import python_api_problem
 from pipeline.layout import BUILD_INFO, ENGINES, PLAN, SAMPLE, engine_dir
 from pipeline.manifest import RunDir
 
 NOT_BUILT = "not built"
+FAILED_LOG = "build-failed.log"
 
 
 class NotBuilt(Exception):
@@ -86,22 +98,32 @@ def build_class(ctx: Context, klass: BuildClass) -> dict[str, Any]:
         return {**row, "status": NOT_BUILT, "reason": str(why)}
 
 
+def build_host(ctx: Context, host: Host) -> dict[str, Any]:
+    """Bring this host's class up to date with its own builder (a failure is a PipelineError); returns its row."""
+    return _here(ctx, host.as_class(ctx.engines), host.tensorrt_version or "", host.choice.trtexec, named_by_build=True)
+
+
 def _build_or_reuse(ctx: Context, klass: BuildClass) -> dict[str, Any]:
     if klass.builder == "device":
         if not klass.target:
             raise NotBuilt("builder 'device' without a build target: the device builds it at install time")
         return asyncio.run(_on_device(ctx, klass, _target(ctx.cfg, klass)))
+    host = probe_host(_choice(klass))
+    version = _check_match(klass, host.tensorrt_version, host.sm, f"this host ({klass.builder})")
+    return _here(ctx, klass, version, host.choice.trtexec)
+
+
+def _choice(klass: BuildClass) -> Choice:
+    """The class's builder on this host; NotBuilt when this host lacks it."""
     if klass.builder == "python":
         problem = python_api_problem()
         if problem is not None:
             raise NotBuilt(f"builder 'python': {problem}")
-        return _here(ctx, klass, python_api.tensorrt_version(), None)
+        return Choice("python")
     exe = shutil.which(klass.trtexec)
     if exe is None:
         raise NotBuilt(f"builder 'trtexec': {klass.trtexec!r} is not an executable on PATH here")
-    with tempfile.TemporaryDirectory() as scratch:
-        version = trtexec.probe_version(exe, Path(scratch))
-    return _here(ctx, klass, version, exe)
+    return Choice("trtexec", trtexec=exe)
 
 
 def _check_match(klass: BuildClass, version: str | None, sm: str | None, where: str) -> str:
@@ -113,22 +135,42 @@ def _check_match(klass: BuildClass, version: str | None, sm: str | None, where: 
     return version or klass.tensorrt
 
 
-def _here(ctx: Context, klass: BuildClass, version: str | None, exe: str | None) -> dict[str, Any]:
-    version = _check_match(klass, version, local_sm(), f"this host ({klass.builder})")
+def _here(
+    ctx: Context, klass: BuildClass, version: str, exe: str | None, named_by_build: bool = False
+) -> dict[str, Any]:
+    """Build with trtexec `exe` here, or the Python API when `exe` is None; `version` is the builder's TensorRT."""
     options = options_for(ctx.cfg, klass)
     hit = _reuse(ctx, klass, version, options)
     if hit is not None:
         return hit
-    with Staging(ctx, klass) as staging:
-        job = _job(ctx, klass, staging, version, options)
-        if exe is not None:
-            runner = Local(exe, staging)
-            built = asyncio.run(engine_job.build(runner, job))
-            checks = asyncio.run(_verify(ctx, runner, job))
-        else:
-            built = python_api.build(ctx.run.path, staging, ctx.profile, options, ctx.log)
-            checks = _verify_python(ctx, job)
-        return _publish(ctx, klass, job, built, checks)
+    with _staging(ctx, klass) as workdir:
+        job = _job(ctx, klass, workdir, version, options)
+        ctx.log(f"[build] {klass.name}: building on this host with {klass.builder} (TensorRT {version or '?'})")
+        started = time.perf_counter()
+        built, runner = _build_here(ctx, job, exe)
+        seconds = time.perf_counter() - started
+        checks = asyncio.run(_verify(ctx, runner, job))
+        if named_by_build:
+            klass = _named_by(klass, built)
+        return _publish(ctx, klass, job, built, checks, seconds)
+
+
+def _build_here(ctx: Context, job: Job, exe: str | None) -> tuple[Built, Local | None]:
+    """The engine's facts and the runner that verifies it (None: no trtexec here to verify with)."""
+    if exe is not None:
+        runner = Local(exe, job.staging)
+        return asyncio.run(engine_job.build(runner, job)), runner
+    built = python_api.build(ctx.run.path, job.staging, ctx.profile, job.options, ctx.log)
+    # The Python API does not run engines the way trtexec does: build.trtexec verifies it when this host has one.
+    verifier = shutil.which(ctx.cfg.build.trtexec)
+    return built, Local(verifier, job.staging) if verifier else None
+
+
+def _named_by(klass: BuildClass, built: Built) -> BuildClass:
+    """This host's class as its build reports it (trtexec prints the GPU and TensorRT version it built with)."""
+    sm = built.sm or klass.sm
+    name = device_class(sm, built.tensorrt_version or klass.tensorrt)
+    return klass.model_copy(update={"name": name, "sm": sm or ""})
 
 
 async def _on_device(ctx: Context, klass: BuildClass, target: SshTarget) -> dict[str, Any]:
@@ -141,17 +183,19 @@ async def _on_device(ctx: Context, klass: BuildClass, target: SshTarget) -> dict
             hit = _reuse(ctx, klass, version, options)
             if hit is not None:
                 return hit
-            with Staging(ctx, klass) as staging:
-                job = _job(ctx, klass, staging, version, options)
+            with _staging(ctx, klass) as workdir:
+                job = _job(ctx, klass, workdir, version, options)
                 runner = Remote(device, klass.device_trtexec, f"/tmp/edge-build-{os.getpid()}-{klass.name}")
                 await runner.open()
                 try:
                     ctx.log(f"[build] {klass.name}: building on {target.name} (TensorRT {version})")
+                    started = time.perf_counter()
                     built = await engine_job.build(runner, job)
+                    seconds = time.perf_counter() - started
                     checks = await _verify(ctx, runner, job)
                 finally:
                     await runner.close()
-                return _publish(ctx, klass, job, built, checks)
+                return _publish(ctx, klass, job, built, checks, seconds)
     except (*FAILURES, HostKeyRefused) as err:
         raise NotBuilt(f"device {target.name} unreachable: {str(err).strip() or type(err).__name__}") from None
 
@@ -166,11 +210,11 @@ def _target(cfg: Config, klass: BuildClass) -> SshTarget:
     raise PipelineError(f"build.classes: {klass.name}: target {klass.target!r} is not in {cfg.deploy.inventory}")
 
 
-def _job(ctx: Context, klass: BuildClass, staging: Path, version: str, options: Options) -> Job:
+def _job(ctx: Context, klass: BuildClass, workdir: Path, version: str, options: Options) -> Job:
     seed = cache.timing_cache(ctx.cfg.build.cache_dir, klass.name)
     if seed.is_file():
-        shutil.copyfile(seed, staging / engine_job.CACHE)
-    return Job(klass.name, ctx.run.path, staging, ctx.profile, options, version, ctx.cfg.build.timeout_s)
+        shutil.copyfile(seed, workdir / engine_job.CACHE)
+    return Job(klass.name, ctx.run.path, workdir, ctx.profile, options, version, ctx.cfg.build.timeout_s)
 
 
 def _reuse(ctx: Context, klass: BuildClass, version: str, options: Options) -> dict[str, Any] | None:
@@ -189,7 +233,7 @@ def _reuse(ctx: Context, klass: BuildClass, version: str, options: Options) -> d
     os.replace(tmp, dest / PLAN)
     write_json(dest / BUILD_INFO, info)
     ctx.log(f"[build] {klass.name}: engine cache hit ({key})")
-    return _row(ctx, info, "cached")
+    return _row(info, "cached")
 
 
 def _read_info(entry: Path) -> dict[str, Any]:
@@ -199,46 +243,68 @@ def _read_info(entry: Path) -> dict[str, Any]:
     return info
 
 
-async def _verify(ctx: Context, runner: Local | Remote, job: Job) -> dict[str, Any]:
+async def _verify(ctx: Context, runner: Local | Remote | None, job: Job) -> dict[str, Any]:
+    """Verify where the engine was built; `runner` None: no trtexec here to verify with."""
     if not ctx.cfg.build.verify:
         return {"checked": False, "reason": "build.verify = false"}
+    if runner is None:
+        return {"checked": False, "reason": f"no trtexec here ({ctx.cfg.build.trtexec!r}) to verify with"}
     sample = ctx.run.path / SAMPLE
     return await engine_job.check(runner, job, sample if sample.is_file() else None)
 
 
-def _verify_python(ctx: Context, job: Job) -> dict[str, Any]:
-    """Engines from the Python API are verified with trtexec when this host has one (build.trtexec)."""
-    exe = shutil.which(ctx.cfg.build.trtexec)
-    if exe is None:
-        return {"checked": False, "reason": f"no trtexec here ({ctx.cfg.build.trtexec!r}) to verify with"}
-    return asyncio.run(_verify(ctx, Local(exe, job.staging), job))
+@contextmanager
+def _staging(ctx: Context, klass: BuildClass) -> Iterator[Path]:
+    """A fresh staging directory for one class, removed afterwards. A build failing with a trtexec log keeps the
+    log as `engines/<class>/build-failed.log` and raises the error again with that path; a success removes it."""
+    path = ctx.engines / f".staging-{os.getpid()}-{klass.name}"
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    failed_log = ctx.engines / klass.name / FAILED_LOG
+    try:
+        yield path
+    except PipelineError as err:
+        log = path / engine_job.LOG
+        if not log.is_file():
+            raise
+        failed_log.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(log, failed_log)
+        raise PipelineError(f"{err} (full log: {failed_log})") from None
+    else:
+        failed_log.unlink(missing_ok=True)
+        # Empty when it held nothing but that log: this host's `local`, before its build named the class.
+        with contextlib.suppress(OSError):
+            failed_log.parent.rmdir()
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
-class Staging:
-    """A fresh staging directory for one class, removed afterwards (a failed build keeps its log)."""
-
-    def __init__(self, ctx: Context, klass: BuildClass) -> None:
-        self.path = ctx.engines / f".staging-{os.getpid()}-{klass.name}"
-        self.failed_log = ctx.engines / klass.name / "build-failed.log"
-
-    def __enter__(self) -> Path:
-        shutil.rmtree(self.path, ignore_errors=True)
-        self.path.mkdir(parents=True)
-        return self.path
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
-        log = self.path / engine_job.LOG
-        if isinstance(exc, PipelineError) and log.is_file():
-            self.failed_log.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(log, self.failed_log)
-            exc.args = (f"{exc} (full log: {self.failed_log})",)
-        shutil.rmtree(self.path, ignore_errors=True)
-
-
-def _publish(ctx: Context, klass: BuildClass, job: Job, built: Built, checks: dict[str, Any]) -> dict[str, Any]:
+def _publish(
+    ctx: Context, klass: BuildClass, job: Job, built: Built, checks: dict[str, Any], seconds: float
+) -> dict[str, Any]:
     """Store the verified engine in the engine cache and move it into engines/<class>/ (build.json last)."""
+    info = _build_info(ctx, klass, job, built, checks, seconds)
+    write_json(job.staging / BUILD_INFO, info)
+    files = {PLAN: job.staging / PLAN, BUILD_INFO: job.staging / BUILD_INFO}
+    cache.store(ctx.cfg.build.cache_dir, klass.name, info["cache_key"], files)
+    cache.keep_timing_cache(job.staging / engine_job.CACHE, ctx.cfg.build.cache_dir, klass.name)
+    dest = ctx.engines / klass.name
+    dest.mkdir(parents=True, exist_ok=True)
+    for src, name in ((PLAN, PLAN), (engine_job.CACHE, engine_job.CACHE), (engine_job.LOG, "build.log")):
+        if (job.staging / src).is_file():
+            os.replace(job.staging / src, dest / name)
+    info["cache"] = "miss"
+    write_json(dest / BUILD_INFO, info)
+    ctx.log(f"[build] {klass.name}: built ({(dest / PLAN).stat().st_size / 1e6:.2f} MB), cache miss")
+    return _row(info, "built")
+
+
+def _build_info(
+    ctx: Context, klass: BuildClass, job: Job, built: Built, checks: dict[str, Any], seconds: float
+) -> dict[str, Any]:
+    """build.json of a freshly built engine (the engine cache adds `cache` when it publishes it)."""
     key_dict = key_parts(ctx, klass, job.version, job.options)
-    info = {
+    return {
         "class": klass.name,
         "builder": klass.builder,
         "target": klass.target or None,
@@ -256,31 +322,20 @@ def _publish(ctx: Context, klass: BuildClass, job: Job, built: Built, checks: di
         "shapes": ctx.profile.to_dict(),
         "command": shlex.join(built.command) if built.command else None,
         "notes": built.notes,
+        "seconds": round(seconds, 3),
         "onnx_sha256": key_dict["onnx_sha256"],
         "engine_sha256": sha256_file(job.staging / PLAN),
         "cache_key": cache.engine_key(key_dict),
         "verification": checks,
         "latency": checks.get("latency", {}),
     }
-    write_json(job.staging / BUILD_INFO, info)
-    files = {PLAN: job.staging / PLAN, BUILD_INFO: job.staging / BUILD_INFO}
-    cache.store(ctx.cfg.build.cache_dir, klass.name, info["cache_key"], files)
-    cache.keep_timing_cache(job.staging / engine_job.CACHE, ctx.cfg.build.cache_dir, klass.name)
-    dest = ctx.engines / klass.name
-    dest.mkdir(parents=True, exist_ok=True)
-    for src, name in ((PLAN, PLAN), ("timing.cache", "timing.cache"), ("trtexec.log", "build.log")):
-        if (job.staging / src).is_file():
-            os.replace(job.staging / src, dest / name)
-    (dest / "build-failed.log").unlink(missing_ok=True)
-    info["cache"] = "miss"
-    write_json(dest / BUILD_INFO, info)
-    ctx.log(f"[build] {klass.name}: built ({(dest / PLAN).stat().st_size / 1e6:.2f} MB), cache miss")
-    return _row(ctx, info, "built")
 
 
-def _row(ctx: Context, info: dict[str, Any], status: str) -> dict[str, Any]:
+def _row(info: dict[str, Any], status: str) -> dict[str, Any]:
     klass = info["class"]
     return {
+        "class": klass,
+        "builder": info["builder"],
         "status": status,
         "cache": info["cache"],
         "tensorrt_version": info["tensorrt_version"],
@@ -288,4 +343,5 @@ def _row(ctx: Context, info: dict[str, Any], status: str) -> dict[str, Any]:
         "build_info": f"{engine_dir(klass)}/{BUILD_INFO}",
         "verified": bool(info.get("verification", {}).get("loads")),
         "latency": info.get("latency", {}),
+        "seconds": info.get("seconds"),
     }
