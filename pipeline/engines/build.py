@@ -37,7 +37,7 @@ from pipeline.engines.profile import Profile
 from pipeline.engines.runners import Local, Remote
 from pipeline.engines.verify import same_version
 from pipeline.errors import PipelineError
-from pipeline.files import read_json, sha256_file, write_json
+from pipeline.files import atomic_path, publish, read_json, sha256_file, write_json
 from pipeline.fleet.classes import device_class
 from pipeline.fleet.inventory import SshTarget, load_inventory
 from pipeline.fleet.probe import SOCS, parse_facts, probe_script
@@ -228,9 +228,8 @@ def _reuse(ctx: Context, klass: BuildClass, version: str, options: Options) -> d
         return None  # built with build.verify = false: rebuild so that it is verified
     dest = ctx.engines / klass.name
     dest.mkdir(parents=True, exist_ok=True)
-    tmp = dest / f".{PLAN}.{os.getpid()}.tmp"
-    shutil.copyfile(entry / PLAN, tmp)
-    os.replace(tmp, dest / PLAN)
+    with atomic_path(dest / PLAN) as tmp:
+        shutil.copyfile(entry / PLAN, tmp)
     write_json(dest / BUILD_INFO, info)
     ctx.log(f"[build] {klass.name}: engine cache hit ({key})")
     return _row(info, "cached")
@@ -292,7 +291,7 @@ def _publish(
     dest.mkdir(parents=True, exist_ok=True)
     for src, name in ((PLAN, PLAN), (engine_job.CACHE, engine_job.CACHE), (engine_job.LOG, "build.log")):
         if (job.staging / src).is_file():
-            os.replace(job.staging / src, dest / name)
+            publish(job.staging / src, dest / name)
     info["cache"] = "miss"
     write_json(dest / BUILD_INFO, info)
     ctx.log(f"[build] {klass.name}: built ({(dest / PLAN).stat().st_size / 1e6:.2f} MB), cache miss")

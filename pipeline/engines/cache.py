@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from pipeline.files import atomic_path, fsync_dir, fsync_file
 from pipeline.layout import BUILD_INFO, PLAN
 
 ENTRY_FILES = (PLAN, BUILD_INFO)
@@ -44,8 +45,10 @@ def store(cache_dir: Path, klass: str, key: str, files: dict[str, Path]) -> Path
     tmp.mkdir(parents=True)
     for name, src in files.items():
         shutil.copyfile(src, tmp / name)
+        fsync_file(tmp / name)
     shutil.rmtree(entry, ignore_errors=True)
     os.replace(tmp, entry)
+    fsync_dir(entry.parent)
     return entry
 
 
@@ -60,6 +63,5 @@ def keep_timing_cache(src: Path, cache_dir: Path, klass: str) -> None:
         return
     dest = timing_cache(cache_dir, klass)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dest)
+    with atomic_path(dest) as tmp:
+        shutil.copyfile(src, tmp)
