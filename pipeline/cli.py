@@ -5,6 +5,7 @@ Every subcommand maps to one library function; this file only parses arguments a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -107,10 +108,19 @@ def run(
     out.print(f"run directory: [bold]{rd.path}[/bold]")
     try:
         run_pipeline(cfg, rd, log=log_to_stderr if as_json else log)
-    finally:
-        report.write(rd)
-        print_rows(console, report.stage_rows(rd), STAGE_COLUMNS, wide=wide, as_json=as_json, title=f"run {rd.path}")
-    out.print(f"report: {rd.path / 'report.md'}", markup=False, highlight=False)
+    except BaseException:
+        # Show what ran, but never let a failing report hide the error that stopped the run.
+        with contextlib.suppress(PipelineError, OSError):
+            _report(rd, wide, as_json)
+        raise
+    _report(rd, wide, as_json)
+
+
+def _report(rd: RunDir, wide: bool, as_json: bool) -> None:
+    """Write report.md and print the stage table (or its rows as JSON)."""
+    report.write(rd)
+    print_rows(console, report.stage_rows(rd), STAGE_COLUMNS, wide=wide, as_json=as_json, title=f"run {rd.path}")
+    (err_console if as_json else console).print(f"report: {rd.path / 'report.md'}", markup=False, highlight=False)
 
 
 @app.command()

@@ -9,6 +9,7 @@ over the target, and the directory fsynced, so after a power cut a reader finds 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -60,13 +61,19 @@ def publish(tmp: Path, dest: Path) -> None:
 def atomic_path(path: Path) -> Iterator[Path]:
     """A temp path beside `path` for a writer that wants a file name (safetensors, onnx.save, torch.save);
     published as `path` when the block ends without an error, removed otherwise."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         yield tmp
         publish(tmp, path)
+    except OSError as err:
+        # A read-only or full disk is the user's to fix: one line naming the file, not a traceback.
+        if err.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise PipelineError(f"{path}: cannot write: {err.strerror}") from None
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 def write_bytes(path: Path, data: bytes) -> None:

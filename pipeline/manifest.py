@@ -7,15 +7,19 @@ hashes are unchanged, and whose outputs are still on disk unmodified, is not run
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import fcntl
+import os
 import platform
 import secrets
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 from pipeline.config import Config, validate
 from pipeline.errors import PipelineError
@@ -79,6 +83,43 @@ def tool_versions() -> dict[str, str]:
     return versions
 
 
+MANIFEST_LOCK = ".manifest.lock"
+
+
+@contextlib.contextmanager
+def _flock(path: Path, blocking: bool) -> Iterator[IO[str] | None]:
+    """An exclusive `flock` on `path` (created if need be) for the block; without `blocking`, None when another
+    process holds it. The kernel drops the lock when its holder dies, so a killed command never leaves it held."""
+    try:
+        fh = path.open("a+")
+    except OSError as err:
+        raise PipelineError(f"{path.parent}: cannot write to the run directory: {err.strerror}") from None
+    with fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield None
+            return
+        yield fh
+
+
+@contextlib.contextmanager
+def stage_lock(run: RunDir, stage: str) -> Iterator[None]:
+    """One writer per stage of a run directory: a second command that would change the same stage refuses with a
+    line naming the holder (its pid, command and start time) instead of racing it."""
+    path = run.path / f".{stage}.lock"
+    with _flock(path, blocking=False) as held:
+        if held is None:
+            holder = path.read_text().strip() or "another process"
+            raise PipelineError(f"{run.path}: stage {stage} is being run by {holder}; wait for it to finish")
+        held.seek(0)
+        held.truncate()
+        started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+        held.write(f"pid {os.getpid()} ({' '.join(sys.argv[:3])}, since {started})\n")
+        held.flush()
+        yield
+
+
 class RunDir:
     """A run directory and its manifest."""
 
@@ -96,14 +137,22 @@ class RunDir:
             return {"run_id": self.path.name, "stages": {}}
         return read_json(self.manifest_path)
 
+    @contextlib.contextmanager
+    def _update(self) -> Iterator[dict[str, Any]]:
+        """The manifest to change in place, under an exclusive lock held until it is written back: two commands
+        on one run directory (a CLI stage while the flow runs) never drop each other's records."""
+        with _flock(self.path / MANIFEST_LOCK, blocking=True):
+            manifest = self.manifest()
+            yield manifest
+            write_json(self.manifest_path, manifest)
+
     def save_config(self, cfg: Config) -> None:
         """Snapshot the resolved config so later per-stage commands reuse exactly what the run used."""
         write_json(self.path / CONFIG_SNAPSHOT, cfg.model_dump(mode="json"))
-        manifest = self.manifest()
-        manifest.setdefault("created", dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
-        manifest["config"] = cfg.model_dump(mode="json")
-        manifest["versions"] = tool_versions()
-        write_json(self.manifest_path, manifest)
+        with self._update() as manifest:
+            manifest.setdefault("created", dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
+            manifest["config"] = cfg.model_dump(mode="json")
+            manifest["versions"] = tool_versions()
 
     def load_config(self) -> Config:
         """The config snapshot written when the run started."""
@@ -112,18 +161,16 @@ class RunDir:
 
     def record(self, result: StageResult, entry: dict[str, Any]) -> None:
         """Store a stage's result and lineage in the manifest."""
-        manifest = self.manifest()
-        manifest["stages"][result.stage] = {**asdict(result), **entry}
-        write_json(self.manifest_path, manifest)
+        with self._update() as manifest:
+            manifest["stages"][result.stage] = {**asdict(result), **entry}
 
     def annotate(self, *keys: str, value: Any) -> None:
         """Set `manifest[k1][k2]... = value` (gate verdicts, why a run stopped), creating tables on the way."""
-        manifest = self.manifest()
-        node = manifest
-        for key in keys[:-1]:
-            node = node.setdefault(key, {})
-        node[keys[-1]] = value
-        write_json(self.manifest_path, manifest)
+        with self._update() as manifest:
+            node = manifest
+            for key in keys[:-1]:
+                node = node.setdefault(key, {})
+            node[keys[-1]] = value
 
     def hashes(self, rel_paths: list[str]) -> dict[str, str]:
         """sha256 of each path relative to the run dir; directories hash their sorted files."""
@@ -194,6 +241,19 @@ def run_stage(
     all are unchanged since the last successful run and its outputs are intact, `body` is not called. Stages whose
     truth lives elsewhere (deploy: the devices) pass `cacheable=False`.
     """
+    with stage_lock(run, stage.name):
+        return _run_locked(run, cfg, stage, body, log, external, cacheable)
+
+
+def _run_locked(
+    run: RunDir,
+    cfg: Config,
+    stage: Stage,
+    body: Callable[[], StageResult],
+    log: Callable[[str], None],
+    external: dict[str, str] | None,
+    cacheable: bool,
+) -> StageResult:
     digest = cfg.digest(*stage.sections)
     input_hashes = _input_hashes(run, stage, cfg, external)
     if cacheable and (cached := _cached(run, stage.name, digest, input_hashes, log)):

@@ -6,6 +6,7 @@ Two questions are answered here, for scheduled retraining: has anything changed 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,8 @@ from typing import Any
 from pipeline.errors import PipelineError
 from pipeline.layout import MANIFEST
 from pipeline.manifest import RunDir
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -45,14 +48,34 @@ class RunRecord:
 
 
 def list_runs(root: Path) -> list[RunRecord]:
-    """Every run under `root`, newest first; unreadable manifests are skipped, not fatal."""
+    """Every run under `root`, newest first. A manifest that cannot be read, or is not shaped as the pipeline writes
+    it, is skipped with a warning: one bad run directory must not stop listing, gating or retraining the others."""
     records = []
     for manifest_path in sorted(root.glob(f"*/{MANIFEST}"), reverse=True):
         try:
-            records.append(RunRecord(manifest_path.parent, RunDir(manifest_path.parent).manifest()))
-        except PipelineError:
+            manifest = RunDir(manifest_path.parent).manifest()
+        except PipelineError as err:
+            log.warning("skipping run %s: %s", manifest_path.parent.name, err)
             continue
+        if problem := _malformed(manifest):
+            log.warning("skipping run %s: %s %s", manifest_path.parent.name, manifest_path, problem)
+            continue
+        records.append(RunRecord(manifest_path.parent, manifest))
     return records
+
+
+def _malformed(manifest: Any) -> str:
+    """What makes a manifest unusable for the registry ("" when nothing): the fields its questions read."""
+    if not isinstance(manifest, dict):
+        return f"is not a JSON object but a {type(manifest).__name__}"
+    stages = manifest.get("stages", {})
+    if not isinstance(stages, dict) or not all(isinstance(entry, dict) for entry in stages.values()):
+        return "has no table of stages"
+    metrics = stages.get("train", {}).get("metrics", {})
+    accuracy = metrics.get("val_accuracy") if isinstance(metrics, dict) else "?"
+    if accuracy is not None and (isinstance(accuracy, bool) or not isinstance(accuracy, int | float)):
+        return f"holds val_accuracy {accuracy!r}, not a number"
+    return ""
 
 
 def champion(root: Path, exclude: Path | None = None) -> RunRecord | None:

@@ -1,6 +1,7 @@
 """The CLI on bad input: one line on stderr, exit code 2, no traceback, nothing overwritten."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -93,3 +94,20 @@ def test_runs_list_and_show(tmp_path: Path):
     shown = pipeline("runs", "show", str(tmp_path / "20260102-000000-bbbb"), cwd=tmp_path)
     assert shown.returncode == 0 and "val accuracy 0.9700" in shown.stdout
     _assert_one_line_error(pipeline("runs", "show", str(tmp_path), cwd=tmp_path), "not a run directory")
+
+
+READ_ONLY = 'mount --bind "$1" "$1" && mount -o remount,ro,bind "$1" && shift && exec "$@"'
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")
+@pytest.mark.parametrize("command", [["consolidate"], ["run", "--set", "train.epochs=1"]])
+def test_read_only_run_directory_is_one_line(tmp_path: Path, existing_run: Path, command: list[str]):
+    """The run directory on a read-only mount (in a mount namespace of its own): one line naming it, exit 2."""
+    before = _snapshot(existing_run)
+    env = {**os.environ, "COLUMNS": "200"}
+    cmd = [sys.executable, "-m", "pipeline", *command, "--run-dir", str(existing_run)]
+    wrapped = ["unshare", "--mount", "sh", "-c", READ_ONLY, "sh", str(existing_run), *cmd]
+    proc = subprocess.run(wrapped, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    _assert_one_line_error(proc, f"{existing_run}")
+    assert "Read-only file system" in proc.stderr
+    assert _snapshot(existing_run) == before

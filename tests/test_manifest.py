@@ -1,8 +1,14 @@
 """The stage runner: lineage in the manifest, caching on content hashes, never on paths or timestamps."""
 
+import multiprocessing
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+
 from pipeline.config import Config, load_config
+from pipeline.errors import PipelineError
 from pipeline.manifest import RunDir, Stage, StageResult, create_run_dir, run_stage
 
 
@@ -61,3 +67,50 @@ def test_config_snapshot_round_trips(tmp_path: Path):
     run = create_run_dir(cfg, tmp_path / "run")
     assert run.load_config() == cfg
     assert run.manifest()["versions"]["torch"]
+
+
+def _annotate_many(path: str, who: str, count: int) -> None:
+    run = RunDir(Path(path))
+    for i in range(count):
+        run.annotate("keys", f"{who}-{i}", value=i)
+
+
+def test_concurrent_manifest_updates_lose_nothing(tmp_path: Path):
+    """Two processes annotating one run directory 200 times each: all 400 keys are kept (the reproduction kept
+    212 without a lock)."""
+    run = create_run_dir(Config(), tmp_path / "run")
+    ctx = multiprocessing.get_context("spawn")
+    workers = [ctx.Process(target=_annotate_many, args=(str(run.path), who, 200)) for who in ("a", "b")]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(120)
+        assert worker.exitcode == 0
+    assert len(run.manifest()["keys"]) == 400
+
+
+def test_a_second_writer_of_the_same_stage_is_refused_naming_the_holder(tmp_path: Path):
+    cfg = Config()
+    run = create_run_dir(cfg, tmp_path / "run")
+    (run.path / "in.txt").write_text("abc")
+    holder = subprocess.Popen(  # holds the copy stage's lock, as a running `pipeline <stage>` would
+        [sys.executable, "-c", HOLD_STAGE_LOCK, str(run.path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+        with pytest.raises(PipelineError, match=rf"stage copy is being run by pid {holder.pid} "):
+            _run(run, cfg, [])
+    finally:
+        holder.kill()
+        holder.wait()
+    assert _run(run, cfg, []).status == "done"  # a dead holder's lock is gone with it
+
+
+HOLD_STAGE_LOCK = """
+import sys, time
+from pathlib import Path
+from pipeline.manifest import RunDir, stage_lock
+with stage_lock(RunDir(Path(sys.argv[1])), "copy"):
+    print("holding", flush=True)
+    time.sleep(60)
+"""

@@ -1,5 +1,7 @@
 """The run registry: champion lookup, unchanged-data detection and the promotion gate."""
 
+import json
+import logging
 import os
 from pathlib import Path
 
@@ -57,3 +59,25 @@ def test_trained_with_matches_config_and_data(tmp_path: Path):
     assert trained_with(tmp_path, "c1", {"data": "d2"}) is None
     assert trained_with(tmp_path, "c1", {"data": "d1", "weights": "w"}) is None
     assert trained_with(tmp_path, "c2", {"data": "d1"}) is None
+
+
+def test_a_malformed_manifest_is_skipped_with_a_warning_not_fatal(tmp_path: Path, caplog):
+    """A manifest that is valid JSON but not an object, or holds val_accuracy as a string, skips that run only:
+    listing, the champion and the gate keep working on the others."""
+    _fake_run(tmp_path, "20260101-000000-aaaa", 0.90, deployed=True)
+    (tmp_path / "20260102-000000-list").mkdir()
+    (tmp_path / "20260102-000000-list" / "manifest.json").write_text("[]")
+    text = _fake_run(tmp_path, "20260103-000000-text", 0.95, deployed=True)
+    manifest = json.loads((text / "manifest.json").read_text())
+    manifest["stages"]["train"]["metrics"]["val_accuracy"] = "0.95"
+    (text / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "20260104-000000-junk").mkdir()
+    (tmp_path / "20260104-000000-junk" / "manifest.json").write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="pipeline.registry"):
+        assert [r.run_id for r in list_runs(tmp_path)] == ["20260101-000000-aaaa"]
+        assert champion(tmp_path).run_id == "20260101-000000-aaaa"
+        assert promotion_gate(0.5, tmp_path, 0.01).passed is False
+    skipped = " ".join(caplog.messages)
+    assert "20260102-000000-list" in skipped and "not a JSON object" in skipped
+    assert "20260103-000000-text" in skipped and "'0.95', not a number" in skipped
+    assert "20260104-000000-junk" in skipped and "corrupt JSON" in skipped
