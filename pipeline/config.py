@@ -50,9 +50,9 @@ class DataConfig(Section):
     """Square side, in pixels, that images are resized to."""
     val_fraction: float = Field(0.2, gt=0.0, lt=1.0)
     """Share of the images held out for validation (stratified, seeded by `run.seed`)."""
-    synthetic_samples: int = Field(2000, ge=20)
+    synthetic_samples: int = Field(2000, ge=20, le=10_000_000)
     """Number of images generated when `source = "synthetic"`."""
-    synthetic_classes: int = Field(10, ge=2)
+    synthetic_classes: int = Field(10, ge=2, le=100_000)
     """Number of classes generated when `source = "synthetic"`."""
 
     @model_validator(mode="after")
@@ -70,9 +70,9 @@ class ModelConfig(Section):
 
 
 class TrainConfig(Section):
-    epochs: int = Field(8, ge=1)
+    epochs: int = Field(8, ge=1, le=100_000)
     """Passes over the training split."""
-    batch_size: int = Field(64, ge=1)
+    batch_size: int = Field(64, ge=1, le=1 << 20)
     """Global batch size: split evenly across all ranks."""
     lr: float = Field(1e-2, gt=0.0)
     """Peak learning rate of AdamW (cosine-decayed to zero)."""
@@ -103,16 +103,16 @@ class TrainConfig(Section):
     memory split between the node's ranks."""
     grad_clip_norm: float | None = Field(None, gt=0.0)
     """Clip the global gradient norm (across all ranks and shards) to this value; unset: no clipping."""
-    accumulation: int = Field(1, ge=1)
+    accumulation: int = Field(1, ge=1, le=4096)
     """Micro-steps per optimizer step: each rank's share of the batch is split in this many micro-batches, and
     gradients are synchronised only after the last (`no_sync`). The global batch does not change."""
     checkpoint_every_steps: int | None = Field(None, ge=1)
     """Also checkpoint every this many optimizer steps (mid-epoch; resume continues from the same batch);
     unset: only at each epoch's end."""
-    max_restarts: int = Field(0, ge=0)
+    max_restarts: int = Field(0, ge=0, le=1000)
     """torchrun `--max-restarts`: when a rank dies, restart the whole group this many times; each restart resumes
     from `latest` (set `checkpoint_every_steps` to lose less than an epoch)."""
-    pg_timeout_s: int = Field(1800, ge=1)
+    pg_timeout_s: int = Field(1800, ge=1, le=30 * 86400)
     """Seconds a collective may wait for a peer before the process group gives up (`init_process_group(timeout)`);
     raise it on links that black out for a while."""
     env: dict[str, str] = Field(default_factory=dict)
@@ -129,11 +129,11 @@ class TrainConfig(Section):
     augment_shift: int = Field(0, ge=0)
     """Random translation of training batches by up to this many pixels (0: off); each rank draws its own shifts
     from a seed derived from `run.seed`, its rank and the step, so a resumed run draws the same ones."""
-    nproc_per_node: int = Field(2, ge=1)
+    nproc_per_node: int = Field(2, ge=1, le=1024)
     """Ranks started on this node: one per GPU with nccl, or this many CPU ranks with gloo."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend; `auto` is nccl when CUDA is present, gloo otherwise."""
-    threads_per_rank: int = Field(1, ge=1)
+    threads_per_rank: int = Field(1, ge=1, le=1024)
     """torch intra-op threads per CPU rank; keeps 2 ranks from fighting over 2 cores."""
     checkpoint_async: bool | None = None
     """Write checkpoints in the background (DCP `async_save` on a gloo group of its own) while training goes on;
@@ -141,9 +141,9 @@ class TrainConfig(Section):
     host memory frees the GPU, and the write runs on host cores training leaves idle), in the foreground on CPU
     (the ranks already use every core: a writer thread slows the steps by more than the save it hides). A
     background save holds a CPU copy of each rank's model and optimizer state: turn it off where memory is short."""
-    keep_checkpoints: int = Field(2, ge=1)
+    keep_checkpoints: int = Field(2, ge=1, le=1000)
     """Newest epoch checkpoints kept on disk; older ones are deleted once a newer one is complete."""
-    timeout_s: int = Field(3600, ge=10)
+    timeout_s: int = Field(3600, ge=10, le=30 * 86400)
     """Wall-clock limit for the whole torchrun job; the process group is killed past it."""
 
     @model_validator(mode="after")
@@ -160,11 +160,11 @@ class ExportConfig(Section):
     opset: int = Field(18, ge=13, le=23)
     """Highest ONNX opset wanted; the file gets the lower of this and what `export.min_tensorrt` parses (the dynamo
     exporter writes >= 18 and the stage converts down). parity.json records the opset and why."""
-    max_batch: int = Field(32, ge=1)
+    max_batch: int = Field(32, ge=1, le=65_536)
     """Largest batch of the dynamic batch axis (min is 1); also the `max` TensorRT profile shape."""
-    opt_batch: int = Field(8, ge=1)
+    opt_batch: int = Field(8, ge=1, le=65_536)
     """Batch the TensorRT profile is tuned for."""
-    parity_samples: int = Field(256, ge=1)
+    parity_samples: int = Field(256, ge=1, le=1_000_000)
     """Validation images compared between ONNX Runtime and PyTorch."""
     atol: float = Field(1e-4, gt=0.0)
     """Largest allowed absolute difference between ONNX Runtime and PyTorch logits."""
@@ -181,7 +181,7 @@ class ExportConfig(Section):
     variants: list[Literal["fp32", "fp16", "int8"]] = Field(default_factory=lambda: ["fp32"])
     """Files to write: `fp32` onnx/model.onnx (always), `fp16` onnx/model.fp16.onnx (FP16 graph, fp32 inputs and
     outputs), `int8` onnx/model.int8.onnx (explicit Q/DQ, symmetric, per-channel weights)."""
-    calibration_samples: int = Field(256, ge=1)
+    calibration_samples: int = Field(256, ge=1, le=1_000_000)
     """Training images that calibrate the int8 activation ranges."""
     max_accuracy_drop: float = Field(0.01, ge=0.0, le=1.0)
     """Largest allowed validation-accuracy drop of the fp16 and int8 files below the fp32 file (0.01 = 1 point)."""
@@ -238,11 +238,11 @@ class BuildConfig(Section):
     precision: Literal["fp32", "fp16", "int8"] = "fp16"
     """Engine precision: builder flags on the fp32 (or, for int8, Q/DQ) ONNX before TensorRT 11; from 11 the
     matching ONNX variant (onnx/model.fp16.onnx, onnx/model.int8.onnx) is built as it is."""
-    workspace_mb: int = Field(1024, ge=16)
+    workspace_mb: int = Field(1024, ge=16, le=1 << 20)
     """Builder workspace memory-pool limit."""
     trtexec: str = "trtexec"
     """trtexec executable: a name looked up on PATH or an absolute path."""
-    timeout_s: int = Field(1800, ge=10)
+    timeout_s: int = Field(1800, ge=10, le=30 * 86400)
     """Limit for one engine build."""
 
     @model_validator(mode="after")
@@ -269,7 +269,7 @@ class DeployConfig(Section):
     inventory: Path | None = None
     """Fleet inventory TOML ([defaults], [policy], [[targets]]): when set, deploy goes to these devices over SSH
     (canary, then waves) instead of `targets`; its [policy] sets keep_releases for them."""
-    keep_releases: int = Field(3, ge=2)
+    keep_releases: int = Field(3, ge=2, le=1000)
     """Releases kept on a target; `current` and `previous` are never pruned."""
     health_atol: float = Field(1e-3, gt=0.0)
     """Largest allowed |logits - stored logits| on `sample.npz` for the ONNX model and fp32 engines."""

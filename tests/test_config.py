@@ -37,6 +37,7 @@ def test_set_can_replace_a_list_of_tables():
         (["export.opt_batch=64"], "export: Value error, export.opt_batch must not exceed export.max_batch"),
         (['deploy.targets=[{name="a", root="x"}, {name="a", root="y"}]'], "duplicate target name(s): a"),
         (["train"], "--set 'train': expected section.key=value"),
+        (["train.batch_size=1000000000000"], "train.batch_size: Input should be less than or equal to 1048576"),
     ],
 )
 def test_bad_values_name_the_dotted_key(overrides, expected):

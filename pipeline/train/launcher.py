@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import models
-from pipeline import data, layout
+from pipeline import data, host, layout
 from pipeline.config import Config, TrainConfig
 from pipeline.errors import PipelineError
 from pipeline.layout import CONFIG_SNAPSHOT
@@ -91,11 +91,27 @@ def preflight(cfg: Config) -> None:
         )
     if cfg.model.weights is not None and not cfg.model.weights.is_file():
         raise PipelineError(f"model.weights: {cfg.model.weights}: file not found")
+    train_size = len(data.load(cfg.data, cfg.run.seed, channels=spec.channels).train)
+    if cfg.train.batch_size > train_size:
+        raise PipelineError(
+            f"train.batch_size: {cfg.train.batch_size} is larger than the training split ({train_size} images of "
+            f"data.source {cfg.data.source!r}): one step would be more than the whole epoch"
+        )
+
+
+def local_slots() -> int:
+    """How many ranks this node can run: one per GPU, else one per CPU core (more only time-share them)."""
+    import torch
+
+    return torch.cuda.device_count() if host.cuda_present() else len(os.sched_getaffinity(0))
 
 
 def _check_topology(nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None) -> None:
     if nproc_per_node < 1:
         raise PipelineError(f"--nproc-per-node: must be at least 1, got {nproc_per_node}")
+    if nproc_per_node > (slots := local_slots()):
+        where = "GPUs" if host.cuda_present() else "CPU cores"
+        raise PipelineError(f"--nproc-per-node: {nproc_per_node} ranks, but this node has {slots} {where}")
     if nnodes < 1:
         raise PipelineError(f"--nnodes: must be at least 1, got {nnodes}")
     if not 0 <= node_rank < nnodes:

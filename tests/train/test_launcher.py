@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -52,6 +53,7 @@ def test_environment_pins_threads_and_store_behaviour() -> None:
         ({"nnodes": 2}, "--rdzv-endpoint"),
         ({"nnodes": 2, "node_rank": 2, "rdzv_endpoint": "h:1"}, "--node-rank"),
         ({"nproc_per_node": 0}, "--nproc-per-node"),
+        ({"nproc_per_node": 4096}, r"--nproc-per-node: 4096 ranks, but this node has \d+ (CPU cores|GPUs)"),
     ],
 )
 def test_bad_topology_is_rejected_before_anything_starts(tmp_path: Path, kwargs: dict, flag: str) -> None:
@@ -78,3 +80,18 @@ def test_a_foreign_checkpoint_is_refused_before_the_snapshot_changes(tmp_path: P
     with pytest.raises(PipelineError, match="written for a different data/model config"):
         launcher.launch(validate({"model": {"name": "resnet18"}, "data": {"image_size": 32}}, "test"), run.path)
     assert run.load_config() == first
+
+
+def test_a_batch_larger_than_the_training_split_is_one_line(tmp_path: Path) -> None:
+    """digits has ~1,400 training images: a global batch of 5,000 is refused before any rank starts."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline", "train", "--run-dir", "run", "--set", "train.batch_size=5000"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert proc.stderr.startswith("error: train.batch_size: 5000 is larger than the training split (1437 images")
+    assert not (tmp_path / "run/train").exists()
