@@ -1,7 +1,7 @@
 """Deploy stage: versioned releases on targets, atomic switch, health check, automatic rollback, pruning.
 
 Targets are Jetsons over SSH from an inventory, or local directories standing in for devices; both go through the
-same target-side steps (`remote`, and `activate.sh`, which runs on the target), over `hosts.Device` or
+same target-side steps (`remote`, and `activate.sh`, which runs on the target), over an SSH `Device` or
 `hosts.LocalHost`. `rollout` orders a fleet in waves; `ssh_fleet` answers `status` and `rollback` for either.
 """
 

@@ -44,7 +44,7 @@ _PHASE_STATUS = {"connect": UNREACHABLE, "probe": UNREACHABLE, "upload": UPLOAD_
 
 @dataclass
 class _Step:
-    """The step a deploy is at; a transport failure is reported by it (connect, probe: UNREACHABLE; upload...)."""
+    """The step a deploy is at: a transport failure during it gets that step's status (`_PHASE_STATUS`)."""
 
     name: str = "connect"
 
