@@ -72,10 +72,10 @@ def measure(fleet: JetsonFleet, names: list[str], run: RunDir, path: Path) -> di
     started = time.perf_counter()
     rows = asyncio.run(rollout(inventory, releases, log=lambda _: None))
     seconds = time.perf_counter() - started
-    bad = [f"{r['target']}: {r['status']} {r['reason']}" for r in rows if r["status"] != "ACTIVE"]
+    bad = [f"{r.target}: {r.status} {r.reason}" for r in rows if r.status != "ACTIVE"]
     if bad:
         raise SystemExit(f"rollout failed: {bad}")
-    return {"seconds": seconds, "bytes_sent": sum(r["bytes_sent"] for r in rows), "release_bytes": releases.bytes}
+    return {"seconds": seconds, "bytes_sent": sum(r.bytes_sent for r in rows), "release_bytes": releases.bytes}
 
 
 def wipe(fleet: JetsonFleet) -> None:

@@ -7,16 +7,20 @@
 # the model with python3 + onnxruntime, else check the files), switch `current` to it in one rename (the old
 # current becomes `previous`), restart SERVICE, post-check (unit active, HEALTH_COMMAND); on any failure switch
 # both links back and restart SERVICE again. Then keep the KEEP newest releases, never current or previous.
-# The controller reads the `ACTIVATE key=value` lines; the exit status is 0 only for status=ACTIVE.
+# The controller reads the `ACTIVATE key=value` lines; the exit status is 0 only for status=ACTIVE. A HEALTH_COMMAND
+# may print one `HEALTH <json>` line (local targets' health.py does): the last one comes back as `health=<json>`.
 set -u
 ROOT=$1 REL=$2 KEEP=$3 SERVICE=$4 HEALTH=$5
 TRTEXEC=${TRTEXEC:-/usr/src/tensorrt/bin/trtexec}
+LOG=/dev/null  # HEALTH lines `report` hands back: none until this activation holds the lock and has its own log
 
 report() {  # status reason
     echo "ACTIVATE status=$1"
     echo "ACTIVATE current=$(readlink current 2>/dev/null | sed 's|^releases/||')"
     echo "ACTIVATE previous=$(readlink previous 2>/dev/null | sed 's|^releases/||')"
     echo "ACTIVATE reason=$2"
+    health=$(sed -n 's/^HEALTH //p' "$LOG" 2>/dev/null | tail -n 1)
+    [ -z "$health" ] || echo "ACTIVATE health=$health"
     [ "$1" = ACTIVE ]
     exit $?
 }
@@ -27,11 +31,21 @@ point() {  # link target-or-empty: one rename, so readers see the old link or th
 }
 
 cd "$ROOT" || { echo "ACTIVATE status=FAILED"; echo "ACTIVATE reason=no deploy root $ROOT"; exit 1; }
-[ -d "releases/$REL" ] || report FAILED "releases/$REL is missing"
 exec 9>.lock
 if command -v flock >/dev/null 2>&1; then
     flock -w 60 9 || report FAILED "another deploy holds $ROOT/.lock"
 fi
+LOG=.health.log && rm -f "$LOG"
+[ -d "releases/$REL" ] || report FAILED "releases/$REL is missing"
+
+check_link() {  # name: absent, or a symlink to releases/<id>; anything else is refused, never replaced
+    if [ -e "$1" ] && [ ! -L "$1" ]; then report FAILED "$1 exists and is not a symlink; refusing to replace it"; fi
+    to=$(readlink "$1" 2>/dev/null)
+    case $to in "") return 0 ;; releases/*/* | *..*) ;; releases/?*) return 0 ;; esac
+    report FAILED "$1 points at $to, not releases/<id>"
+}
+check_link current
+check_link previous
 
 run_health() {  # dir: the configured command, with RELEASE_DIR naming the release it checks
     RELEASE_DIR=$1 sh -c "$HEALTH" >.health.log 2>&1 || { tail -n 1 .health.log; return 1; }

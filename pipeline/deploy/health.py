@@ -1,12 +1,15 @@
 """Health check of an installed release: run its model on the stored sample and compare with the stored logits.
 
-It runs through `<root>/current`, i.e. exactly the files a device would load. The TensorRT engine is used when
-the release has one and TensorRT with a GPU is available here; otherwise the ONNX model through ONNX Runtime.
+Local targets' activate.sh runs this file as its HEALTH_COMMAND (`main`), on the release before the switch and
+through `<root>/current` after it, i.e. exactly the files a device would load. The TensorRT engine is used when the
+release has one and TensorRT with a GPU is available here; otherwise the ONNX model through ONNX Runtime.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -84,3 +87,26 @@ def _run_engine(plan: Path, x: np.ndarray) -> np.ndarray:
         raise RuntimeError("TensorRT execute_async_v3 failed")
     stream.synchronize()
     return outputs.cpu().numpy()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`health.py --atol A --atol-fp16 B RELEASE_DIR` (the tolerances are `deploy.health_atol*`); 0 when it passes.
+
+    Prints `HEALTH <verdict as JSON>`, which activate.sh hands back to the controller, then for a failed check the
+    reason as the last line, which activate.sh reports.
+    """
+    parser = argparse.ArgumentParser(description="Run a release's model on its stored sample.")
+    parser.add_argument("release", type=Path)
+    parser.add_argument("--atol", type=float, required=True)
+    parser.add_argument("--atol-fp16", type=float, required=True)
+    args = parser.parse_args(argv)
+    verdict = check(args.release, args.atol, args.atol_fp16)
+    print("HEALTH " + json.dumps(verdict))
+    if verdict["passed"]:
+        return 0
+    print(f"health check failed ({verdict['reason']})")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

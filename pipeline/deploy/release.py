@@ -1,29 +1,28 @@
 """Releases: the files one model version needs on a device, checked by a `sha256sum`-format SHA256SUMS.
 
 A release is named `<run-id>-<first 8 hex of the ONNX's sha256>`, staged as `releases/<id>.part/`, verified, and
-only then renamed to `releases/<id>/`: a release directory without `.part` is always complete.
+only then renamed to `releases/<id>/`: a release directory without `.part` is always complete. What a target is
+offered: `Releases` (a variant per device class) for devices, `HostRelease` (this host's engine or none) for local
+targets.
 """
 
 from __future__ import annotations
 
-import os
-import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from pipeline.deploy.result import REFUSED, Stop
 from pipeline.errors import PipelineError
 from pipeline.files import read_json, sha256_file, write_json, write_text
-from pipeline.fleet.names import SAFE_NAME, safe_name
+from pipeline.fleet.names import safe_name
+from pipeline.fleet.probe import Facts
 from pipeline.layout import DEPLOY_DIR, MODEL_JSON, ONNX, PLAN, SAMPLE
 from pipeline.manifest import RunDir
 
 SUMS = "SHA256SUMS"
-REQUIRED = ("model.onnx", "model.json", "labels.txt", "sample.npz")
-_SUMS_LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
 
 
 def release_id(run_id: str, onnx: Path) -> str:
@@ -50,38 +49,6 @@ def sums_text(sha256: dict[str, str]) -> str:
     return "".join(f"{digest}  {name}\n" for name, digest in sorted(sha256.items()))
 
 
-def parse_sums(text: str, where: str) -> dict[str, str]:
-    """name → sha256 from SHA256SUMS text; malformed lines and unsafe names are errors."""
-    out: dict[str, str] = {}
-    for number, line in enumerate(text.splitlines(), start=1):
-        match = _SUMS_LINE.match(line)
-        if match is None:
-            raise PipelineError(f"{where}: line {number} is not `<sha256>  <name>`")
-        out[safe_name(match[2], f"{where}: line {number}")] = match[1]
-    return out
-
-
-def verify_dir(release: Path) -> str | None:
-    """None when every file SHA256SUMS lists is present with that hash and the required files are listed."""
-    sums = release / SUMS
-    if not sums.is_file():
-        return f"no {SUMS}"
-    try:
-        listed = parse_sums(sums.read_text(), str(sums))
-    except (PipelineError, UnicodeDecodeError) as err:
-        return str(err)
-    missing = [name for name in REQUIRED if name not in listed]
-    if missing:
-        return f"{SUMS} does not list {', '.join(missing)}"
-    for name, digest in listed.items():
-        path = release / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if sha256_file(path) != digest:
-            return f"{name}: sha256 does not match {SUMS}"
-    return None
-
-
 def make_plan(
     run: RunDir, engine: tuple[Path, Path] | None, extra: dict[str, Path] | None = None, out: Path | None = None
 ) -> ReleasePlan:
@@ -89,7 +56,7 @@ def make_plan(
     as the device-side activation script); write plan.json into `out` (default `<run>/deploy/`).
 
     labels.txt and SHA256SUMS are generated into `<run>/deploy/` so every file of the release exists on disk and
-    any transport (a copy here, SFTP) only moves files. Local and SSH deploys share this one plan.
+    any transport (a local copy, SFTP) only moves files. Local and SSH deploys share this one plan.
     """
     onnx, meta, sample = run.path / ONNX, run.path / MODEL_JSON, run.path / SAMPLE
     _check_sample(sample)
@@ -139,53 +106,81 @@ def plan_json(plan: ReleasePlan) -> dict[str, Any]:
     return {"release": plan.release_id, "bytes": plan.bytes, "files": files}
 
 
-def list_releases(root: Path) -> list[str]:
-    """Complete release ids on a target, newest (most recently installed or reused) first."""
-    releases = root / "releases"
-    if not releases.is_dir():
-        return []
-    found = [p for p in releases.iterdir() if p.is_dir() and SAFE_NAME.match(p.name) and not p.name.endswith(".part")]
-    found.sort(key=lambda p: (p.stat().st_mtime_ns, p.name), reverse=True)
-    return [p.name for p in found]
+@dataclass(frozen=True)
+class Release:
+    """A plan plus what the controller needs to judge devices: the engine's device class, if it has an engine."""
+
+    plan: ReleasePlan
+    engine_class: str | None
+
+    @property
+    def id(self) -> str:
+        """The release id."""
+        return self.plan.release_id
 
 
-def install_release(root: Path, plan: ReleasePlan) -> int:
-    """Put `plan` at `root/releases/<id>/`; returns bytes copied (0 when the identical release is already there)."""
-    releases = root / "releases"
-    final = releases / plan.release_id
-    if final.is_dir() and _is_same_release(final, plan):
-        os.utime(final)  # "newest" for pruning means most recently deployed
-        return 0
-    part = releases / f"{plan.release_id}.part"
-    shutil.rmtree(part, ignore_errors=True)  # left by an interrupted deploy
-    part.mkdir(parents=True)
-    copied = 0
-    for name, src in plan.files.items():
-        shutil.copyfile(src, part / safe_name(name, "release file"))
-        copied += (part / name).stat().st_size
-    problem = verify_dir(part)
-    if problem is not None:
-        shutil.rmtree(part, ignore_errors=True)
-        raise PipelineError(f"{part}: copied release fails verification: {problem}")
-    _replace_dir(part, final)
-    return copied
+@dataclass(frozen=True)
+class HostRelease:
+    """The release for local targets: this host's engine, or ONNX only. There is no device class to check (the
+    probe's facts describe this machine, not a Jetson), so every local target takes it."""
+
+    release: Release
+
+    @property
+    def id(self) -> str:
+        """The release id."""
+        return self.release.id
+
+    def for_device(self, facts: Facts) -> Release:
+        """The one release, whatever the probe found."""
+        return self.release
+
+    def device_class(self, facts: Facts) -> str:
+        """The class of the engine it carries; "local" (this host) when it carries none."""
+        return self.release.engine_class or "local"
 
 
-def _is_same_release(release: Path, plan: ReleasePlan) -> bool:
-    sums = release / SUMS
-    return sums.is_file() and sums.read_bytes() == plan.files[SUMS].read_bytes() and verify_dir(release) is None
+class Releases:
+    """The run's release as each device class gets it: with the engine built for that class, or ONNX only.
 
-
-def _replace_dir(src: Path, dest: Path) -> None:
-    """Rename `src` to `dest`; a stale or corrupt `dest` (same id, other content) is moved aside first.
-
-    A directory cannot be renamed over a non-empty one, so that rare repair leaves `dest` missing for the
-    instant between the two renames.
+    All variants share one release id (the model is the same). Each is planned up front, under
+    `<run>/deploy/releases/<class, or "onnx">/`, so a bad run directory fails before any device is touched.
     """
-    if dest.exists():
-        aside = dest.with_name(f".{dest.name}.replaced-{os.getpid()}")
-        os.rename(dest, aside)
-        os.rename(src, dest)
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        os.rename(src, dest)
+
+    def __init__(self, run: RunDir, engines: dict[str, tuple[Path, Path]], extra: dict[str, Path]) -> None:
+        self.id = release_id(run.path.name, run.path / ONNX)
+        keys: dict[str, tuple[Path, Path] | None] = dict(engines) if engines else {"onnx": None}
+        self.variants = {
+            key: Release(make_plan(run, engine, extra, out=run.path / DEPLOY_DIR / "releases" / key), engine and key)
+            for key, engine in keys.items()
+        }
+
+    @property
+    def bytes(self) -> int:
+        """Size of the largest variant."""
+        return max(r.plan.bytes for r in self.variants.values())
+
+    def for_device(self, facts: Facts) -> Release:
+        """The variant for a probed device; Stop(REFUSED) when the run has engines but none for its class."""
+        if "onnx" in self.variants:
+            return self.variants["onnx"]
+        klass = facts.device_class
+        if klass not in self.variants:
+            raise Stop(
+                REFUSED,
+                f"engine built for {', '.join(sorted(self.variants))}, device is {klass} "
+                f"({facts.model or 'unknown model'}, TensorRT {facts.tensorrt or 'unknown'}): build one for this class",
+            )
+        return self.variants[klass]
+
+    def device_class(self, facts: Facts) -> str:
+        """The probed device's class."""
+        return facts.device_class
+
+    def summary(self) -> dict[str, Any]:
+        """plan.json content: the release id and each variant's files."""
+        return {"release": self.id, "variants": {key: plan_json(r.plan) for key, r in self.variants.items()}}
+
+
+Offer = Releases | HostRelease
+"""What a deploy offers a target: the variant for its probed class (devices), or this host's release (local)."""

@@ -7,19 +7,15 @@ a stop are reported SKIPPED (their devices untouched).
 from __future__ import annotations
 
 import asyncio
-import io
-import shutil
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
-from rich import box
-from rich.console import Console
-from rich.table import Column, Table
-
 from pipeline.deploy import remote
-from pipeline.deploy.remote import ACTIVE, SKIPPED, Releases
+from pipeline.deploy.release import Releases
+from pipeline.deploy.result import TargetResult
 from pipeline.fleet.inventory import Inventory, SshTarget
-from pipeline.fleet.ssh import quiet_lost_connections
+from pipeline.fleet.ssh import Device, quiet_lost_connections
 
 
 def waves(inventory: Inventory) -> list[list[SshTarget]]:
@@ -47,54 +43,33 @@ def plan_rows(inventory: Inventory) -> list[dict[str, Any]]:
     return rows
 
 
-def failed(row: dict[str, Any]) -> bool:
-    """A target that was tried and did not end ACTIVE."""
-    return row["status"] not in (ACTIVE, SKIPPED)
-
-
-async def rollout(inventory: Inventory, releases: Releases, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+async def rollout(inventory: Inventory, releases: Releases, log: Callable[[str], None] = print) -> list[TargetResult]:
     """Deploy the run's release (each device its class's variant) wave by wave; one result row per target, in
     inventory order."""
     quiet_lost_connections()
     policy = inventory.policy
     limit = asyncio.Semaphore(policy.max_parallel)
-    rows: dict[str, dict[str, Any]] = {}
+    rows: dict[str, TargetResult] = {}
     plan = waves(inventory)
     canary = bool(policy.canary) and len(plan) > 0
 
-    async def one(target: SshTarget) -> dict[str, Any]:
+    async def one(target: SshTarget) -> TargetResult:
         async with limit:
-            return await remote.deploy(target, releases, policy, log)
+            return await remote.deploy(Device(target, policy.timeout_s), releases, policy, log)
 
     stop = ""
     for number, wave in enumerate(plan):
         if stop:
             for target in wave:
-                rows[target.name] = {**remote.new_result(target, releases.id), "reason": stop}
+                rows[target.name] = replace(remote.new_result(target, releases.id), reason=stop)
             continue
         for row in await asyncio.gather(*(one(t) for t in wave)):
-            rows[row["target"]] = row
-        bad = [r for r in rows.values() if failed(r)]
+            rows[row.target] = row
+        bad = [r for r in rows.values() if r.failed]
         if canary and number == 0 and bad:
-            stop = f"not tried: the canary failed ({', '.join(r['target'] for r in bad)})"
+            stop = f"not tried: the canary failed ({', '.join(r.target for r in bad)})"
         elif 100 * len(bad) / len(inventory.targets) > policy.max_failure_pct:
             stop = f"not tried: {len(bad)} of {len(inventory.targets)} targets failed (> {policy.max_failure_pct:g}%)"
         if stop:
             log(f"[deploy] stopping the rollout: {stop.removeprefix('not tried: ')}")
     return [rows[t.name] for t in inventory.targets]
-
-
-def rollout_table(rows: list[dict[str, Any]]) -> str:
-    """Per-target outcome as text (status, device class, bytes sent, seconds, reason)."""
-    table = Table(
-        Column("target", overflow="fold"),
-        *(Column(name, no_wrap=True) for name in ("status", "class", "sent", "seconds")),
-        Column("reason", overflow="fold"),
-        box=box.SIMPLE_HEAD,
-    )
-    for r in rows:
-        sent = f"{r['bytes_sent'] / 1e6:.2f} MB"
-        table.add_row(r["target"], r["status"], r["device_class"] or "-", sent, f"{r['seconds']:.2f}", r["reason"])
-    buffer = io.StringIO()
-    Console(file=buffer, width=max(100, shutil.get_terminal_size((120, 24)).columns), color_system=None).print(table)
-    return buffer.getvalue().rstrip()

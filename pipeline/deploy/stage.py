@@ -1,31 +1,25 @@
 """The deploy stage: release the run's model to every configured target and report per target.
 
 Targets are local directories, or, when `deploy.inventory` names an inventory, SSH devices rolled out to in
-waves. Not cacheable: the truth is on the targets (someone may have rolled back or wiped one since the last run).
+waves; both go through the same target-side steps (`remote`, `activate.sh`). Not cacheable: the truth is on the
+targets (someone may have rolled back or wiped one since the last run).
 """
 
 from __future__ import annotations
 
 import asyncio
-import io
-import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-from rich import box
-from rich.console import Console
-from rich.table import Column, Table
 
 from pipeline.config import Config
 from pipeline.deploy import remote
-from pipeline.deploy.local import ACTIVE, deploy_target
-from pipeline.deploy.release import make_plan
-from pipeline.deploy.remote import UNREACHABLE
-from pipeline.deploy.rollout import failed, rollout, rollout_table, waves
+from pipeline.deploy.hosts import LocalHost, local_spot
+from pipeline.deploy.release import HostRelease, Release, Releases, make_plan
+from pipeline.deploy.result import ACTIVE, UNREACHABLE, TargetResult, results_table
+from pipeline.deploy.rollout import rollout, waves
 from pipeline.errors import PipelineError, TransientError
 from pipeline.files import read_json, write_json
-from pipeline.fleet.inventory import load_inventory
+from pipeline.fleet.inventory import Policy, load_inventory
 from pipeline.layout import DEPLOY_PLAN, DEPLOY_RESULTS, MODEL_JSON, ONNX, PLAN, SAMPLE
 from pipeline.manifest import RunDir, Stage, StageResult, run_stage
 
@@ -81,35 +75,35 @@ def recorded_engines(run: RunDir) -> dict[str, tuple[Path, Path]]:
     return engines
 
 
-def fleet_releases(run: RunDir) -> remote.Releases:
+def fleet_releases(run: RunDir) -> Releases:
     """The release for SSH devices: the run's files, the engine for each class, and the activation script."""
-    return remote.Releases(run, recorded_engines(run), {remote.ACTIVATE: ACTIVATE_SCRIPT})
+    return Releases(run, recorded_engines(run), {remote.ACTIVATE: ACTIVATE_SCRIPT})
+
+
+def local_release(run: RunDir) -> HostRelease:
+    """The release for local targets: the run's files, this host's engine if the build stage made one, and the
+    activation script."""
+    engine = local_engine(run)
+    plan = make_plan(run, engine, {remote.ACTIVATE: ACTIVATE_SCRIPT})
+    return HostRelease(Release(plan, engine and str(read_json(engine[1])["class"])))
 
 
 def _body(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageResult:
     if cfg.deploy.inventory is not None:
         return _fleet_body(cfg, run, log)
-    plan = make_plan(run, local_engine(run))
-    engine_note = "with engine" if PLAN in plan.files else "ONNX only"
-    log(f"[deploy] release {plan.release_id} ({plan.bytes / 1e6:.2f} MB, {engine_note})")
-    results = [deploy_target(target, plan, cfg.deploy, log) for target in cfg.deploy.targets]
-    write_json(run.path / DEPLOY_RESULTS, {"release": plan.release_id, "targets": results})
-    log(results_table(results))
-    failed = [r for r in results if r["status"] != ACTIVE]
-    if failed:
-        detail = "; ".join(f"{r['target']} ({r['status']}: {r['reason']})" for r in failed)
-        raise PipelineError(f"deploy: {len(failed)} of {len(results)} targets failed: {detail}")
-    return StageResult(
-        "deploy",
-        "done",
-        outputs=dict(STAGE.outputs),
-        metrics={
-            "release": plan.release_id,
-            "active": len(results),
-            "targets": len(results),
-            "bytes_copied": sum(r["bytes_copied"] for r in results),
-        },
-    )
+    offer = local_release(run)
+    engine_note = "with engine" if PLAN in offer.release.plan.files else "ONNX only"
+    log(f"[deploy] release {offer.id} ({offer.release.plan.bytes / 1e6:.2f} MB, {engine_note})")
+    rows = asyncio.run(_deploy_local(cfg, offer, log))
+    write_json(run.path / DEPLOY_RESULTS, {"release": offer.id, "targets": [r.to_dict() for r in rows]})
+    return _outcome(offer.id, rows, log)
+
+
+async def _deploy_local(cfg: Config, offer: HostRelease, log: Callable[[str], None]) -> list[TargetResult]:
+    """One local target after the other (they share this machine's disk and CPU)."""
+    policy = Policy(keep_releases=cfg.deploy.keep_releases)
+    hosts = [LocalHost(local_spot(t, cfg.deploy), policy.timeout_s) for t in cfg.deploy.targets]
+    return [await remote.deploy(host, offer, policy, log) for host in hosts]
 
 
 def _fleet_body(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageResult:
@@ -123,39 +117,32 @@ def _fleet_body(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageRe
     plan = {**releases.summary(), "waves": [[t.name for t in wave] for wave in waves(inventory)]}
     write_json(run.path / DEPLOY_PLAN, plan)
     rows = asyncio.run(rollout(inventory, releases, log))
-    write_json(run.path / DEPLOY_RESULTS, {"release": releases.id, "inventory": str(inventory.path), "targets": rows})
-    log(rollout_table(rows))
-    bad = [r for r in rows if r["status"] != ACTIVE]
+    targets = [r.to_dict() for r in rows]
+    write_json(
+        run.path / DEPLOY_RESULTS, {"release": releases.id, "inventory": str(inventory.path), "targets": targets}
+    )
+    return _outcome(releases.id, rows, log)
+
+
+def _outcome(release: str, rows: list[TargetResult], log: Callable[[str], None]) -> StageResult:
+    """The stage's result when every target is ACTIVE; otherwise the error naming each target that is not."""
+    log(results_table(rows))
+    bad = [r for r in rows if r.status != ACTIVE]
     if bad:
-        detail = "; ".join(f"{r['target']} ({r['status']}: {r['reason']})" for r in bad if failed(r))
-        skipped = sum(1 for r in bad if not failed(r))
+        detail = "; ".join(f"{r.target} ({r.status}: {r.reason})" for r in bad if r.failed)
+        skipped = sum(1 for r in bad if not r.failed)
         more = f"; {skipped} skipped" if skipped else ""
         message = f"deploy: {len(bad)} of {len(rows)} targets not active: {detail or 'none failed'}{more}"
-        # Only unreachable devices may come back on a retry; a refusal or a failed check will fail the same way.
-        transient = all(r["status"] == UNREACHABLE for r in bad if failed(r)) and any(failed(r) for r in bad)
+        # Only unreachable targets may come back on a retry; a refusal or a failed check will fail the same way.
+        transient = all(r.status == UNREACHABLE for r in bad if r.failed) and any(r.failed for r in bad)
         raise (TransientError if transient else PipelineError)(message)
-    metrics = {"release": releases.id, "active": len(rows), "targets": len(rows)}
-    metrics["bytes_sent"] = sum(r["bytes_sent"] for r in rows)
+    metrics = {
+        "release": release,
+        "active": len(rows),
+        "targets": len(rows),
+        "bytes_sent": sum(r.bytes_sent for r in rows),
+    }
     return StageResult("deploy", "done", outputs=dict(STAGE.outputs), metrics=metrics)
-
-
-def results_table(results: list[dict[str, Any]]) -> str:
-    """The per-target outcome as a small rich table, rendered to text so any `log` callable can show it."""
-    columns = [Column(name, no_wrap=True) for name in ("status", "release", "copied", "health")]
-    table = Table(Column("target", overflow="fold"), *columns, box=box.SIMPLE_HEAD)
-    for r in results:
-        table.add_row(r["target"], r["status"], r["release"], f"{r['bytes_copied'] / 1e6:.2f} MB", _verdict(r))
-    buffer = io.StringIO()
-    # Rendered at the terminal's width: a wider text would be wrapped again by whoever prints it.
-    Console(file=buffer, width=shutil.get_terminal_size((80, 24)).columns, color_system=None).print(table)
-    return buffer.getvalue().rstrip()
-
-
-def _verdict(result: dict[str, Any]) -> str:
-    health = result["health"]
-    if not health:
-        return "-"
-    return "passed" if health["passed"] else "FAILED"
 
 
 STAGE = Stage(

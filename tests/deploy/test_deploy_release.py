@@ -1,11 +1,10 @@
-"""Release files, names, links and pruning, one piece at a time."""
+"""Release files, names and links, one piece at a time."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,9 +12,7 @@ import pytest
 
 from pipeline import deploy
 from pipeline.config import Config, DeployConfig, LocalTarget
-from pipeline.deploy import switch
-from pipeline.deploy.local import prune
-from pipeline.deploy.release import parse_sums, release_id, sums_text, verify_dir
+from pipeline.deploy.release import release_id, sums_text
 from pipeline.errors import PipelineError
 from pipeline.fleet.names import safe_name
 from pipeline.manifest import RunDir, StageResult
@@ -40,80 +37,28 @@ def test_release_id_and_sums(tmp_path: Path):
         release_id("my run", onnx)
     digest = "ab" * 32
     assert sums_text({"b.txt": digest, "a.txt": digest}) == f"{digest}  a.txt\n{digest}  b.txt\n"
-    assert parse_sums(f"{digest}  a.txt\n{digest} *b.bin\n", "S") == {"a.txt": digest, "b.bin": digest}
-    with pytest.raises(PipelineError, match="not a safe name"):
-        parse_sums(f"{digest}  ../../etc/passwd\n", "S")
-    with pytest.raises(PipelineError, match="line 1"):
-        parse_sums("not a sums line\n", "S")
 
 
-def test_verify_dir_finds_tampering(tmp_path: Path):
-    files = {"model.onnx": b"m", "model.json": b"{}", "labels.txt": b"a\n", "sample.npz": b"s"}
-    for name, data in files.items():
-        (tmp_path / name).write_bytes(data)
-    sha = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
-    (tmp_path / "SHA256SUMS").write_text(sums_text(sha))
-    assert verify_dir(tmp_path) is None
-    (tmp_path / "labels.txt").write_bytes(b"b\n")
-    assert verify_dir(tmp_path) == "labels.txt: sha256 does not match SHA256SUMS"
-    (tmp_path / "labels.txt").unlink()
-    assert verify_dir(tmp_path) == "labels.txt is missing"
-    (tmp_path / "SHA256SUMS").write_text(sums_text({"model.onnx": sha["model.onnx"]}))
-    assert verify_dir(tmp_path) == "SHA256SUMS does not list model.json, labels.txt, sample.npz"
-
-
-def test_links_outside_releases_are_refused(tmp_path: Path):
-    (tmp_path / "releases" / "r1").mkdir(parents=True)
-    os.symlink("/etc", tmp_path / "current")
-    with pytest.raises(PipelineError, match="not releases/<id>"):
-        switch.links(tmp_path)
-    os.unlink(tmp_path / "current")
-    os.symlink("releases/../../x", tmp_path / "current")
-    with pytest.raises(PipelineError, match="not a safe name"):
-        switch.links(tmp_path)
-    os.unlink(tmp_path / "current")
-    (tmp_path / "current").mkdir()
-    with pytest.raises(PipelineError, match="not a symlink"):
-        switch.activate(tmp_path, "r1")
-    assert (tmp_path / "current").is_dir()  # refused, not replaced
-
-
-def test_switch_is_one_rename(tmp_path: Path):
-    """A reader polling `current` during 300 switches always finds a link to a complete release."""
-    for name in ("r1", "r2"):
-        (tmp_path / "releases" / name).mkdir(parents=True)
-        (tmp_path / "releases" / name / "model.onnx").write_text(name)
-    switch.point(tmp_path, "current", "r1")
-    failures: list[str] = []
-    done = threading.Event()
-
-    def reader() -> None:
-        while not done.is_set():
-            try:
-                (tmp_path / "current" / "model.onnx").read_text()
-            except OSError as err:
-                failures.append(str(err))
-
-    thread = threading.Thread(target=reader)
-    thread.start()
-    for i in range(300):
-        switch.activate(tmp_path, "r2" if i % 2 == 0 else "r1")
-    done.set()
-    thread.join()
-    assert failures == []
-    assert switch.links(tmp_path) == switch.Links(current="r1", previous="r2")
-    assert not (tmp_path / ".current.new").exists()
-
-
-def test_prune_never_removes_current_or_previous(tmp_path: Path):
-    for age, name in enumerate(["r5", "r4", "r3", "r2", "r1"]):
-        (tmp_path / "releases" / name).mkdir(parents=True)
-        os.utime(tmp_path / "releases" / name, ns=(10**18 - age * 10**9,) * 2)
-    (tmp_path / "releases" / "r9.part").mkdir()  # an interrupted copy is not a release
-    switch.point(tmp_path, "current", "r1")
-    switch.point(tmp_path, "previous", "r2")
-    assert sorted(prune(tmp_path, keep=2)) == ["r3"]
-    assert {p.name for p in (tmp_path / "releases").iterdir()} == {"r5", "r4", "r2", "r1", "r9.part"}
+def test_links_that_are_not_releases_are_refused(
+    tmp_path: Path, deploy_cfg: MakeConfig, make_run: MakeRun, onnx_models: list[Path]
+):
+    cfg = deploy_cfg()
+    root = tmp_path / "device"
+    run = make_run("run-l", onnx_models[0])
+    root.mkdir()
+    os.symlink("/etc", root / "current")
+    with pytest.raises(PipelineError, match=r"local \(FAILED: current points at /etc, not releases/<id>\)"):
+        deploy.run(cfg, run, **QUIET)
+    assert os.readlink(root / "current") == "/etc"
+    os.unlink(root / "current")
+    os.symlink("releases/../../x", root / "previous")
+    with pytest.raises(PipelineError, match=r"previous points at releases/\.\./\.\./x, not releases/<id>"):
+        deploy.run(cfg, run, **QUIET)
+    os.unlink(root / "previous")
+    (root / "current").mkdir()
+    with pytest.raises(PipelineError, match="current exists and is not a symlink; refusing to replace it"):
+        deploy.run(cfg, run, **QUIET)
+    assert (root / "current").is_dir()  # refused, not replaced
 
 
 def _record_engine(run: RunDir, klass: str) -> Path:

@@ -1,4 +1,5 @@
-"""The deploy stage against local targets: releases, atomic switch, health check, rollback, pruning."""
+"""The deploy stage against local targets (the same steps and activate.sh as devices): releases, atomic switch,
+health check, rollback, pruning."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import pytest
 
 from pipeline import deploy
 from pipeline.config import Config, LocalTarget
-from pipeline.deploy.release import verify_dir
 from pipeline.errors import PipelineError
 from pipeline.manifest import RunDir
+from tests.deploy.checks import verifies
 
 QUIET = {"log": lambda _: None}
 MakeRun = Callable[..., RunDir]
@@ -48,18 +49,25 @@ def test_two_deploys_switch_current_and_previous(
     assert link(root, "previous") == f"releases/{first_id}"
 
     release = root / "releases" / second_id
-    assert sorted(p.name for p in release.iterdir()) == sorted(
-        ["model.onnx", "model.json", "labels.txt", "sample.npz", "SHA256SUMS"]
+    files = [p for p in release.iterdir() if not p.name.startswith(".")]  # .order: activation order, for pruning
+    assert sorted(p.name for p in files) == sorted(
+        ["model.onnx", "model.json", "labels.txt", "sample.npz", "activate.sh", "SHA256SUMS"]
     )
     check = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=release, capture_output=True, text=True)
-    assert check.returncode == 0 and check.stdout.count(": OK") == 4, check.stdout
+    assert check.returncode == 0 and check.stdout.count(": OK") == 5, check.stdout
     assert (release / "model.onnx").read_bytes() == onnx_models[1].read_bytes()
     assert (release / "labels.txt").read_text().splitlines()[9] == "digit-9"
 
+    (first_row,) = json.loads((first.path / "deploy/results.json").read_text())["targets"]
+    first_files = [p for p in (root / "releases" / first_id).iterdir() if not p.name.startswith(".")]
+    assert first_row["bytes_sent"] == sum(p.stat().st_size for p in first_files) and first_row["files_sent"] == 6
     results = json.loads((second.path / "deploy/results.json").read_text())
     (row,) = results["targets"]
     assert row["status"] == "ACTIVE" and row["release"] == second_id and row["previous"] == first_id
-    assert row["bytes_copied"] == sum(p.stat().st_size for p in release.iterdir())
+    # What the first release already holds (model.json, labels.txt, activate.sh) is linked, not copied again.
+    sent = [p for p in files if p.name in ("model.onnx", "sample.npz", "SHA256SUMS")]
+    assert row["bytes_sent"] == sum(p.stat().st_size for p in sent)
+    assert (row["files_sent"], row["files_reused"]) == (3, 3)
     assert row["health"]["passed"] and row["health"]["runtime"] == "onnxruntime"
     assert row["health"]["max_abs_diff"] <= 1e-3 and row["health"]["shape"] == [1, 10]
 
@@ -75,17 +83,17 @@ def test_redeploying_the_same_release_copies_nothing(
 
     deploy.run(cfg, run, **QUIET)
     (row,) = json.loads((run.path / "deploy/results.json").read_text())["targets"]
-    assert row["status"] == "ACTIVE" and row["bytes_copied"] == 0
+    assert row["status"] == "ACTIVE" and row["bytes_sent"] == 0
     assert {p: p.stat().st_mtime_ns for p in (root / "releases").rglob("*") if p.is_file()} == before
 
     # A tampered installed copy is not trusted: it is replaced by a verified one.
     (root / "releases" / row["release"] / "model.json").write_text("{}")
     deploy.run(cfg, run, **QUIET)
     (row,) = json.loads((run.path / "deploy/results.json").read_text())["targets"]
-    assert row["bytes_copied"] > 0 and verify_dir(root / "releases" / row["release"]) is None
+    assert row["bytes_sent"] > 0 and verifies(root / "releases" / row["release"])
 
 
-def test_failing_health_check_rolls_back(
+def test_failing_health_check_keeps_the_good_release(
     tmp_path: Path, deploy_cfg: MakeConfig, make_run: MakeRun, onnx_models: list[Path]
 ):
     broken = LocalTarget(name="broken", root=tmp_path / "a-file" / "device")
@@ -93,7 +101,7 @@ def test_failing_health_check_rolls_back(
     cfg = deploy_cfg(extra=[broken])
     root = tmp_path / "device"
     good = make_run("run-good", onnx_models[0])
-    with pytest.raises(PipelineError, match=r"1 of 2 targets failed: broken \(FAILED: "):
+    with pytest.raises(PipelineError, match=r"1 of 2 targets not active: broken \(FAILED: "):
         deploy.run(cfg, good, **QUIET)
     good_id = json.loads((good.path / "deploy/results.json").read_text())["release"]
 
@@ -101,12 +109,14 @@ def test_failing_health_check_rolls_back(
     bad = make_run("run-bad", onnx_models[1], wrong_answer=True)
     with pytest.raises(PipelineError) as err:
         deploy.run(cfg, bad, **QUIET)
-    assert "deploy: 1 of 1 targets failed: local (ROLLED_BACK: health check failed (argmax" in str(err.value)
+    # activate.sh's preflight runs the health check before the switch: the bad release never becomes current.
+    message = "deploy: 1 of 1 targets not active: local (PREFLIGHT_FAILED: preflight: health check failed (argmax"
+    assert message in str(err.value)
     assert link(root, "current") == f"releases/{good_id}" and not (root / "previous").is_symlink()
-    assert verify_dir(root / "releases" / good_id) is None
+    assert verifies(root / "releases" / good_id)
     assert release_ids(root) == {good_id}
     (row,) = json.loads((bad.path / "deploy/results.json").read_text())["targets"]
-    assert row["status"] == "ROLLED_BACK" and row["previous"] == good_id and not row["health"]["passed"]
+    assert row["status"] == "PREFLIGHT_FAILED" and row["previous"] == good_id and not row["health"]["passed"]
     assert bad.manifest()["stages"].get("deploy") is None
 
 
@@ -117,13 +127,15 @@ def test_corrupt_onnx_on_a_fresh_target_leaves_nothing_active(
     root = tmp_path / "device"
     run = make_run("run-corrupt", onnx_models[0])
     (run.path / "onnx/model.onnx").write_bytes(b"\x08\x07 definitely not protobuf" * 10)
-    with pytest.raises(PipelineError, match=r"ROLLED_BACK: health check failed \(onnxruntime could not run"):
+    with pytest.raises(
+        PipelineError, match=r"PREFLIGHT_FAILED: preflight: health check failed \(onnxruntime could not run"
+    ):
         deploy.run(cfg, run, **QUIET)
     assert not (root / "current").is_symlink() and not (root / "current").exists()
     assert release_ids(root) == set()
 
 
-def test_pruning_keeps_newest_and_never_current_or_previous(
+def test_pruning_keeps_the_newest_activations(
     tmp_path: Path, deploy_cfg: MakeConfig, make_run: MakeRun, onnx_models: list[Path]
 ):
     cfg = deploy_cfg(keep=2)
@@ -134,8 +146,9 @@ def test_pruning_keeps_newest_and_never_current_or_previous(
     deploy.rollback(cfg, None)  # current = ids[1], previous = ids[2]
     newest = deploy.run(cfg, make_run("run-3", onnx_models[1]), **QUIET).metrics["release"]
     assert link(root, "current") == f"releases/{newest}" and link(root, "previous") == f"releases/{ids[1]}"
-    # ids[1] is older than ids[2], outside the newest two, but `previous` points at it.
-    assert release_ids(root) == {newest, ids[1], ids[2]}
+    # Newest means most recently activated: the rollback activated ids[1] after ids[2], so ids[2] goes.
+    # (That `current` and `previous` survive any `keep` is activate.sh's own test.)
+    assert release_ids(root) == {newest, ids[1]}
 
     latest = deploy.run(cfg, make_run("run-4", onnx_models[0]), **QUIET).metrics["release"]
     assert release_ids(root) == {latest, newest}

@@ -151,8 +151,10 @@ def test_activation_report_is_parsed_and_checked(tmp_path: Path):
     apply_activation(
         "x\nACTIVATE status=ROLLED_BACK\nACTIVATE current=r1\nACTIVATE reason=after switch: boom\n", "", row
     )
-    assert (row["status"], row["current"], row["reason"]) == ("ROLLED_BACK", "r1", "after switch: boom")
+    assert (row.status, row.current, row.reason, row.health) == ("ROLLED_BACK", "r1", "after switch: boom", {})
     apply_activation("garbage\n", "sh: activate.sh: not found", row)
-    assert row["status"] == "FAILED" and row["reason"] == "activate.sh: sh: activate.sh: not found"
+    assert row.status == "FAILED" and row.reason == "activate.sh: sh: activate.sh: not found"
     apply_activation("ACTIVATE status=ACTIVE\nACTIVATE current=r1\n", "", row)
-    assert row["status"] == "FAILED" and "current is 'r1'" in row["reason"]
+    assert row.status == "FAILED" and "current is 'r1'" in row.reason
+    apply_activation('ACTIVATE status=ACTIVE\nACTIVATE current=r2\nACTIVATE health={"passed": true}\n', "", row)
+    assert (row.status, row.health) == ("ACTIVE", {"passed": True})

@@ -11,6 +11,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,9 @@ from typer.testing import CliRunner
 
 from pipeline import deploy
 from pipeline.cli import app
-from pipeline.config import Config, DeployConfig
+from pipeline.config import Config, DeployConfig, LocalTarget
 from pipeline.deploy import remote, ssh_fleet
+from pipeline.deploy.result import TargetResult
 from pipeline.errors import PipelineError, TransientError
 from pipeline.fleet.inventory import load_inventory
 from pipeline.fleet.ssh import Device
@@ -219,19 +221,19 @@ def test_checksum_mismatch_on_the_device_then_resume(jetson_fleet, two_runs, mon
     target = fleet["orin-01"]
     cfg = fleet_cfg(fleet)
     a = deploy_ok(cfg, two_runs[0])
-    put = remote.Device.put
+    put = Device.put
 
-    async def corrupting_put(self: remote.Device, local: Path, remote_path: str) -> int:
+    async def corrupting_put(self: Device, local: Path, remote_path: str) -> int:
         sent = await put(self, local, remote_path)
         if remote_path.endswith("/model.onnx"):  # bit rot between the upload and the check
             target.run(f"printf X | dd of={remote_path} bs=1 seek=100 conv=notrunc 2>/dev/null")
         return sent
 
-    monkeypatch.setattr(remote.Device, "put", corrupting_put)
+    monkeypatch.setattr(Device, "put", corrupting_put)
     with pytest.raises(PipelineError, match=r"VERIFY_FAILED: checksum mismatch on the device: model.onnx"):
         deploy.run(cfg, two_runs[1], **QUIET)
     assert intact(target, a) and links(target) == (a, "")
-    monkeypatch.setattr(remote.Device, "put", put)
+    monkeypatch.setattr(Device, "put", put)
 
     b = deploy_ok(cfg, two_runs[1])  # resumes: only the file that failed is sent again
     row = results(two_runs[1])["orin-01"]
@@ -320,19 +322,19 @@ def test_cli_plan_run_status_rollback_with_an_inventory(jetson_fleet, two_runs, 
     fleet = jetson_fleet(2)
     inventory = str(fleet.write_inventory(policy={"max_parallel": 1}))
     open_now, most = [0], [0]
-    enter, leave = remote.Device.__aenter__, remote.Device.__aexit__
+    enter, leave = Device.__aenter__, Device.__aexit__
 
-    async def counting_enter(self: remote.Device) -> remote.Device:
+    async def counting_enter(self: Device) -> Device:
         open_now[0] += 1
         most[0] = max(most[0], open_now[0])
         return await enter(self)
 
-    async def counting_exit(self: remote.Device, *exc: Any) -> None:
+    async def counting_exit(self: Device, *exc: Any) -> None:
         open_now[0] -= 1
         await leave(self, *exc)
 
-    monkeypatch.setattr(remote.Device, "__aenter__", counting_enter)
-    monkeypatch.setattr(remote.Device, "__aexit__", counting_exit)
+    monkeypatch.setattr(Device, "__aenter__", counting_enter)
+    monkeypatch.setattr(Device, "__aexit__", counting_exit)
     runner = CliRunner()
     plan = runner.invoke(app, ["deploy", "plan", "--inventory", inventory])
     assert plan.exit_code == 0 and "canary" in plan.output and "wave 1" in plan.output
@@ -415,3 +417,16 @@ def test_only_unreachable_devices_make_a_retryable_failure(jetson_fleet, two_run
     with pytest.raises(TransientError, match="UNREACHABLE"):
         deploy.run(fleet_cfg(fleet, policy={"canary": 1, "max_failure_pct": 60}), two_runs[0], **QUIET)
     assert results(two_runs[0])["orin-01"]["status"] == "ACTIVE"
+
+
+def test_a_local_target_and_a_device_report_the_same_fields(jetson_fleet, two_runs, tmp_path):
+    fleet = jetson_fleet(1)
+    deploy_ok(fleet_cfg(fleet), two_runs[0])
+    device_row = results(two_runs[0])["orin-01"]
+    local_cfg = Config(deploy=DeployConfig(targets=[LocalTarget(name="here", root=tmp_path / "here")]))
+    deploy_ok(local_cfg, two_runs[1])
+    local_row = results(two_runs[1])["here"]
+    assert set(local_row) == set(device_row) == {f.name for f in fields(TargetResult)}
+    assert (device_row["host"], local_row["host"]) == (f"127.0.0.1:{fleet['orin-01'].port}", "local")
+    assert (device_row["device_class"], local_row["device_class"]) == (ORIN, "local")
+    assert device_row["health"] == {} and local_row["health"]["passed"]
