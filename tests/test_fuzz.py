@@ -1,0 +1,93 @@
+"""Property-based tests of every parser a user feeds: any input is a valid object or one PipelineError, never
+another exception (the CLI turns only PipelineError into one line and exit 2)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline.config import Config, apply_overrides, load_config, validate
+from pipeline.errors import PipelineError
+from pipeline.files import read_json
+from pipeline.fleet.inventory import Inventory, load_inventory
+from pipeline.registry import champion, list_runs, promotion_gate, trained_with
+from tests.harness.inventory import toml_value, write_inventory
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+KEYS = st.sampled_from(["run", "data", "train", "model", "export", "build", "deploy", "retrain", "epochs", "x"])
+SCALARS = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=20)
+JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(KEYS, inner, max_size=4))
+TOMLISH = st.recursive(
+    st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(KEYS, inner, max_size=3),
+)
+
+
+def _either(call: Any, kind: type) -> None:
+    try:
+        assert isinstance(call(), kind)
+    except PipelineError as err:
+        assert "\n" not in str(err)
+
+
+@SETTINGS
+@given(st.dictionaries(KEYS, JSON, max_size=4))
+def test_any_config_table_is_a_config_or_one_line(data: dict[str, Any]) -> None:
+    _either(lambda: validate(data, "fuzz"), Config)
+
+
+@SETTINGS
+@given(st.lists(st.text(max_size=40) | st.builds(lambda k, v: f"train.{k}={v}", KEYS, st.text(max_size=15))))
+def test_any_set_override_is_a_config_or_one_line(overrides: list[str]) -> None:
+    _either(lambda: load_config(None, overrides), Config)
+
+
+@SETTINGS
+@given(st.dictionaries(st.sampled_from(["train.epochs", "data.source", "a.b.c", "x"]), TOMLISH, max_size=3))
+def test_any_override_value_merges_or_is_one_line(values: dict[str, Any]) -> None:
+    overrides = [f"{key}={toml_value(value)}" for key, value in values.items()]
+    _either(lambda: validate(apply_overrides({}, overrides), "fuzz"), Config)
+
+
+@SETTINGS
+@given(st.text(max_size=300) | st.binary(max_size=300).map(lambda b: b.decode("latin-1")))
+def test_any_inventory_text_is_an_inventory_or_one_line(text: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "fleet.toml"
+        path.write_text(text, encoding="utf-8", errors="surrogateescape")
+        _either(lambda: load_inventory(path), Inventory)
+
+
+TARGET_KEYS = st.sampled_from(["name", "host", "port", "user", "key", "root", "service", "health_command", "tags"])
+
+
+@SETTINGS
+@given(
+    st.dictionaries(TARGET_KEYS, TOMLISH, max_size=3),
+    st.dictionaries(st.sampled_from(["canary", "wave_size", "max_parallel", "timeout_s", "x"]), TOMLISH, max_size=3),
+    st.lists(st.dictionaries(TARGET_KEYS, TOMLISH, max_size=5), max_size=3),
+)
+def test_any_inventory_tables_are_an_inventory_or_one_line(defaults: dict, policy: dict, targets: list) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_inventory(Path(tmp) / "fleet.toml", defaults, policy, targets)
+        _either(lambda: load_inventory(path), Inventory)
+
+
+@SETTINGS
+@given(JSON | st.dictionaries(st.sampled_from(["stages", "run_id", "config"]), JSON, max_size=3))
+def test_any_manifest_is_listed_or_skipped(manifest: Any) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(tmp) / "20260101-000000-aaaa"
+        run.mkdir()
+        (run / "manifest.json").write_text(json.dumps(manifest))
+        _either(lambda: read_json(run / "manifest.json"), object)
+        assert len(list_runs(Path(tmp))) <= 1
+        # The questions scheduled retraining asks of past runs answer, whatever one of them holds.
+        champion(Path(tmp))
+        trained_with(Path(tmp), "digest", {"data": "d"})
+        assert isinstance(promotion_gate(0.5, Path(tmp), 0.01).passed, bool)
