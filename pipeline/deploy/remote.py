@@ -36,7 +36,7 @@ from pipeline.deploy.result import (
 from pipeline.fleet.inventory import Policy, SshTarget
 from pipeline.fleet.names import SAFE_NAME
 from pipeline.fleet.probe import Facts, parse_facts, probe_script
-from pipeline.fleet.ssh import FAILURES, Completed, HostKeyRefused
+from pipeline.fleet.ssh import FAILURES, Completed, Refused
 
 ACTIVATE = "activate.sh"
 _PHASE_STATUS = {"connect": UNREACHABLE, "probe": UNREACHABLE, "upload": UPLOAD_FAILED, "verify": VERIFY_FAILED}
@@ -65,7 +65,7 @@ async def deploy(host: Host, offer: Offer, policy: Policy, log: Callable[[str], 
         await asyncio.wait_for(_session(host, offer, policy, row, step), timeout=policy.timeout_s)
     except Stop as stop:
         row.status, row.reason = stop.status, stop.reason
-    except HostKeyRefused as err:
+    except Refused as err:
         row.status, row.reason = REFUSED, str(err)
     except FAILURES as err:
         row.status = _PHASE_STATUS.get(step.name, FAILED)
@@ -281,6 +281,10 @@ async def switch_back(host: Host, keep: int) -> TargetResult:
     row.status, row.current, row.previous = FAILED, facts.current, facts.previous
     if not facts.current or not facts.previous:
         row.reason = "nothing to roll back to (no current and previous release)"
+        return row
+    if not SAFE_NAME.fullmatch(facts.previous) or ".." in facts.previous:
+        # A name read back from a device is checked like one from the inventory before it becomes a path to run.
+        row.reason = f"the target reports previous release {facts.previous!r}, not a safe name: not running it"
         return row
     out = await host.run(activate_command(host.target, facts.previous, keep))
     apply_activation(out.stdout, out.tail(), row)

@@ -17,7 +17,7 @@ from pipeline.deploy.hosts import Host, LocalHost, local_spot
 from pipeline.deploy.result import REFUSED, ROLLED_BACK, UNREACHABLE, Stop, TargetResult
 from pipeline.errors import PipelineError
 from pipeline.fleet.inventory import Inventory, Policy
-from pipeline.fleet.ssh import FAILURES, Device, HostKeyRefused, quiet_lost_connections
+from pipeline.fleet.ssh import FAILURES, Device, Refused, quiet_lost_connections
 
 Row = dict[str, Any]
 
@@ -62,7 +62,7 @@ async def _gather(hosts: list[Host], policy: Policy, each: Callable[[Host], Awai
                 return await asyncio.wait_for(each(host), timeout=policy.timeout_s)
             except Stop as stop:  # the probe failed
                 return {"target": host.target.name, "status": stop.status, "reason": stop.reason}
-            except HostKeyRefused as err:
+            except Refused as err:
                 return {"target": host.target.name, "status": REFUSED, "reason": str(err)}
             except FAILURES as err:
                 return {"target": host.target.name, "status": UNREACHABLE, "reason": f"{type(err).__name__}: {err}"}

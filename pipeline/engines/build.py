@@ -41,7 +41,7 @@ from pipeline.files import atomic_path, publish, read_json, sha256_file, write_j
 from pipeline.fleet.classes import device_class
 from pipeline.fleet.inventory import SshTarget, load_inventory
 from pipeline.fleet.probe import SOCS, parse_facts, probe_script
-from pipeline.fleet.ssh import FAILURES, Device, HostKeyRefused
+from pipeline.fleet.ssh import FAILURES, Device, Refused
 from pipeline.host import python_api_problem
 from pipeline.layout import BUILD_INFO, ENGINES, PLAN, SAMPLE, engine_dir
 from pipeline.manifest import RunDir
@@ -196,7 +196,7 @@ async def _on_device(ctx: Context, klass: BuildClass, target: SshTarget) -> dict
                 finally:
                     await runner.close()
                 return _publish(ctx, klass, job, built, checks, seconds)
-    except (*FAILURES, HostKeyRefused) as err:
+    except (*FAILURES, Refused) as err:
         raise NotBuilt(f"device {target.name} unreachable: {str(err).strip() or type(err).__name__}") from None
 
 

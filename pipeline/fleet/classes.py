@@ -14,7 +14,7 @@ from pipeline.errors import PipelineError
 from pipeline.files import first_line
 from pipeline.fleet.inventory import Inventory, SshTarget
 from pipeline.fleet.probe import SOCS, Facts, parse_facts, probe_script
-from pipeline.fleet.ssh import FAILURES, Device, HostKeyRefused
+from pipeline.fleet.ssh import FAILURES, Device, Refused
 
 
 def device_class(sm: str | None, trt_version: str | None) -> str:
@@ -53,7 +53,7 @@ def from_inventory(inventory: Inventory, log: Callable[[str], None] = print) -> 
 
     classes: dict[str, BuildClass] = {}
     for target, facts in zip(inventory.targets, asyncio.run(probe_all()), strict=True):
-        if isinstance(facts, (*FAILURES, HostKeyRefused, PipelineError)):
+        if isinstance(facts, (*FAILURES, Refused, PipelineError)):
             why = first_line(facts)
             log(f"[build] {target.name}: not probed ({why})")
             continue

@@ -6,6 +6,7 @@ may start with `~`. Errors name the inventory file, the target and the key, on o
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pipeline.config import read_toml
 from pipeline.errors import PipelineError
 from pipeline.fleet.names import safe_name
+
+UNIT_NAME = re.compile(r"[A-Za-z0-9:_.@\\-]{1,255}")
+"""The characters systemd accepts in a unit name, at most 255 of them (docs/ssh-and-devices.md#systemd-unit-names);
+a leading '-' is refused apart, since systemctl would read it as an option."""
 
 
 class _Strict(BaseModel):
@@ -55,6 +60,13 @@ class SshTarget(_Strict):
             return safe_name(name, "name")
         except PipelineError as err:
             raise ValueError(str(err)) from None
+
+    @field_validator("service")
+    @classmethod
+    def _unit_name(cls, service: str) -> str:
+        if service and (service.startswith("-") or not UNIT_NAME.fullmatch(service)):
+            raise ValueError(f"{service!r} is not a systemd unit name (see docs/ssh-and-devices.md#systemd-unit-names)")
+        return service
 
     @field_validator("root")
     @classmethod

@@ -25,8 +25,17 @@ CONNECT_TIMEOUT_S = 15
 KEEPALIVE_S = 5
 
 
-class HostKeyRefused(Exception):
+class Refused(Exception):
+    """The controller will not log in: the device's host key is not trusted, or the controller's own key is unusable.
+    The target is reported REFUSED with the reason; a retry cannot cure it."""
+
+
+class HostKeyRefused(Refused):
     """The device's host key is not in known_hosts (and trust on first use is off), or it changed."""
+
+
+class ClientKeyRefused(Refused):
+    """The private key the inventory names cannot be read: missing, garbage, or encrypted (no passphrase here)."""
 
 
 @dataclass(frozen=True)
@@ -130,7 +139,7 @@ async def connect(target: SshTarget) -> asyncssh.SSHClientConnection:
         "host": target.host,
         "port": target.port,
         "username": target.user,
-        "client_keys": [str(target.key)],
+        "client_keys": [client_key(target)],
         "connect_timeout": CONNECT_TIMEOUT_S,
         "keepalive_interval": KEEPALIVE_S,
         "keepalive_count_max": 3,
@@ -149,6 +158,16 @@ async def connect(target: SshTarget) -> asyncssh.SSHClientConnection:
     conn = await asyncssh.connect(**options, known_hosts=None)
     _remember(target, conn)
     return conn
+
+
+def client_key(target: SshTarget) -> asyncssh.SSHKey:
+    """The target's private key, loaded before connecting so that a bad key is a reason, not a traceback."""
+    try:
+        return asyncssh.read_private_key(str(target.key))
+    except (asyncssh.KeyImportError, asyncssh.KeyEncryptionError) as err:
+        raise ClientKeyRefused(f"key {target.key}: not a usable private key: {err}") from None
+    except OSError as err:
+        raise ClientKeyRefused(f"key {target.key}: cannot read it: {err.strerror}") from None
 
 
 def _where(target: SshTarget) -> str:

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
+import asyncssh
 import pytest
 
+from pipeline import deploy
+from pipeline.config import Config, DeployConfig
 from pipeline.deploy.remote import apply_activation, new_result
 from pipeline.deploy.rollout import plan_rows, waves
 from pipeline.errors import PipelineError
 from pipeline.fleet.inventory import load_inventory
 from pipeline.fleet.probe import parse_facts
+from tests.harness.inventory import write_inventory
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -73,6 +78,8 @@ def test_defaults_merge_into_targets_and_paths_expand(tmp_path: Path):
         (HEAD + targets("a", extra="port = 0"), r"targets\[0\] \(a\): port: Input should be greater than"),
         (HEAD + targets("../a"), r"targets\[0\] \(../a\): name: .*not a safe name"),
         (HEAD + targets("a", extra='root = "opt/edge"'), r"targets\[0\] \(a\): root: .*must be an absolute path"),
+        (HEAD + targets("a", extra='service = "--now"'), r"\(a\): service: .*'--now' is not a systemd unit"),
+        (HEAD + targets("a", extra='service = "a b"'), r"targets\[0\] \(a\): service: .*'a b' is not a systemd unit"),
         (HEAD.replace("canary = 1", 'canary = ["zz"]') + targets("a"), r"policy: .*no target named 'zz'"),
         (HEAD + "[extra]\n" + targets("a"), r"unknown table \[extra\]"),
         (HEAD, r"needs at least one \[\[targets\]\]"),
@@ -158,3 +165,29 @@ def test_activation_report_is_parsed_and_checked(tmp_path: Path):
     assert row.status == "FAILED" and "current is 'r1'" in row.reason
     apply_activation('ACTIVATE status=ACTIVE\nACTIVATE current=r2\nACTIVATE health={"passed": true}\n', "", row)
     assert (row.status, row.health) == ("ACTIVE", {"passed": True})
+
+
+@pytest.mark.parametrize("kind", ["garbage", "encrypted"])
+def test_an_unusable_private_key_refuses_the_target_and_results_are_written(
+    tmp_path: Path, kind: str, make_run, onnx_models
+):
+    """A garbage or passphrase-protected key: the target is REFUSED with the reason (no traceback, no connection
+    attempted), the rollout still writes deploy/results.json, and the stage fails with one line."""
+    key = tmp_path / "id_ed25519"
+    if kind == "garbage":
+        key.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\nnot a key\n-----END OPENSSH PRIVATE KEY-----\n")
+    else:
+        asyncssh.generate_private_key("ssh-ed25519").write_private_key(str(key), "pkcs8-pem", passphrase="secret")
+    (tmp_path / "known_hosts").write_text("")
+    inventory = write_inventory(
+        tmp_path / "fleet.toml",
+        {"key": str(key), "known_hosts": str(tmp_path / "known_hosts"), "root": str(tmp_path / "edge")},
+        {"canary": 0},
+        [{"name": "orin-01", "host": "127.0.0.1", "port": 9}],
+    )
+    run = make_run("20260101-000000-keys", onnx_models[0])
+    cfg = Config(deploy=DeployConfig(inventory=inventory))
+    with pytest.raises(PipelineError, match=r"orin-01 \(REFUSED: key .*id_ed25519: not a usable private key"):
+        deploy.run(cfg, run, log=lambda _: None)
+    (row,) = json.loads((run.path / "deploy/results.json").read_text())["targets"]
+    assert row["status"] == "REFUSED" and "not a usable private key" in row["reason"]
