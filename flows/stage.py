@@ -1,18 +1,19 @@
 """The `pipeline-stage` flow: one stage on an existing run directory, for per-stage deployments.
 
 `prefect deployment run 'pipeline-stage/export' -p run_dir=artifacts/runs/<id>` does what
-`pipeline export --run-dir artifacts/runs/<id>` does, with Prefect's logs, retries and history.
+`pipeline export --run-dir artifacts/runs/<id>` does, with Prefect's logs and history, and the
+same retries as the whole chain (build and deploy, on TransientError only).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import flow
 
-from pipeline.stages import STAGES, existing_run, open_run, run_one
+from flows.tasks import submit
+from pipeline.stages import STAGES, existing_run, open_run
 
 
 @flow(name="pipeline-stage", flow_run_name="{stage}")
@@ -25,5 +26,5 @@ def pipeline_stage(
     path = Path(run_dir)
     if config is None and stage != "train":
         existing_run(path)
-    cfg, run = open_run(Path(config) if config else None, path, overrides)
-    return asdict(run_one(stage, cfg, run, log=get_run_logger().info))
+    _, run = open_run(Path(config) if config else None, path, overrides)  # snapshots what --set changed
+    return submit(stage, run)

@@ -13,41 +13,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger, task
+from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from prefect.cache_policies import NO_CACHE
-from prefect.client.schemas.objects import State, TaskRun
-from prefect.tasks import Task
 
-from flows.progress import training_progress
+from flows.tasks import submit
 from pipeline import report
-from pipeline.errors import TransientError
 from pipeline.manifest import RunDir, StageResult
-from pipeline.stages import open_run, run_one, run_pipeline
-
-
-def transient(task: Task, task_run: TaskRun, state: State) -> bool:
-    """Retry only failures a retry can cure (unreachable hosts, dropped links), never a failed gate or bad input."""
-    return isinstance(state.result(raise_on_failure=False), TransientError)
-
-
-# Stages talking to devices or remote builders may meet a flaky link; training and export are deterministic.
-RETRIES: dict[str, dict[str, Any]] = {
-    stage: {"retries": 2, "retry_delay_seconds": 30, "retry_condition_fn": transient} for stage in ("build", "deploy")
-}
-
-
-@task(task_run_name="{stage}", cache_policy=NO_CACHE)
-def stage_task(stage: str, run_dir: str) -> dict[str, Any]:
-    """Run one pipeline stage on the run directory with the config snapshotted there."""
-    run = RunDir(Path(run_dir))
-    cfg = run.load_config()
-    logger = get_run_logger()
-    # torchrun's output goes into the run's logs, not just the worker's terminal.
-    options = {"output": logger.info} if stage == "train" else {}
-    with training_progress(run, cfg.train.epochs, enabled=stage == "train"):
-        result = run_one(stage, cfg, run, log=logger.info, **options)
-    return asdict(result)
+from pipeline.stages import open_run, run_pipeline
 
 
 def publish(run: RunDir) -> None:
@@ -79,7 +51,7 @@ def train_to_deploy(
     logger.info("run directory: %s", run.path)
 
     def execute(stage: str) -> StageResult:
-        return StageResult(**stage_task.with_options(**RETRIES.get(stage, {}))(stage, str(run.path)))
+        return StageResult(**submit(stage, run))
 
     try:
         outcome = run_pipeline(cfg, run, log=logger.info, execute=execute)

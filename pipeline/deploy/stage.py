@@ -15,7 +15,7 @@ from pipeline.config import Config
 from pipeline.deploy import remote
 from pipeline.deploy.hosts import LocalHost, local_spot
 from pipeline.deploy.release import HostRelease, Release, Releases, make_plan
-from pipeline.deploy.result import ACTIVE, UNREACHABLE, TargetResult, results_table
+from pipeline.deploy.result import ACTIVE, UNREACHABLE, UPLOAD_FAILED, TargetResult, results_table
 from pipeline.deploy.rollout import rollout, waves
 from pipeline.errors import PipelineError, TransientError
 from pipeline.files import read_json, write_json
@@ -133,8 +133,11 @@ def _outcome(release: str, rows: list[TargetResult], log: Callable[[str], None])
         skipped = sum(1 for r in bad if not r.failed)
         more = f"; {skipped} skipped" if skipped else ""
         message = f"deploy: {len(bad)} of {len(rows)} targets not active: {detail or 'none failed'}{more}"
-        # Only unreachable targets may come back on a retry; a refusal or a failed check will fail the same way.
-        transient = all(r.status == UNREACHABLE for r in bad if r.failed) and any(r.failed for r in bad)
+        # Only a lost link may go better on a retry (unreachable, or dropped mid-upload: the next try resumes from
+        # what arrived; a disk that is still full is then refused by the space check); a refusal or a failed check
+        # will fail the same way.
+        tried = [r for r in bad if r.failed]
+        transient = bool(tried) and all(r.status in (UNREACHABLE, UPLOAD_FAILED) for r in tried)
         raise (TransientError if transient else PipelineError)(message)
     metrics = {
         "release": release,

@@ -36,8 +36,8 @@ from pipeline.engines.flags import plan as onnx_plan
 from pipeline.engines.profile import Profile
 from pipeline.engines.runners import Local, Remote
 from pipeline.engines.verify import same_version
-from pipeline.errors import PipelineError
-from pipeline.files import atomic_path, publish, read_json, sha256_file, write_json
+from pipeline.errors import PipelineError, TransientError
+from pipeline.files import atomic_path, first_line, publish, read_json, sha256_file, write_json
 from pipeline.fleet.classes import device_class
 from pipeline.fleet.inventory import SshTarget, load_inventory
 from pipeline.fleet.probe import SOCS, parse_facts, probe_script
@@ -196,8 +196,12 @@ async def _on_device(ctx: Context, klass: BuildClass, target: SshTarget) -> dict
                 finally:
                     await runner.close()
                 return _publish(ctx, klass, job, built, checks, seconds)
-    except (*FAILURES, Refused) as err:
-        raise NotBuilt(f"device {target.name} unreachable: {str(err).strip() or type(err).__name__}") from None
+    except Refused as err:
+        raise NotBuilt(f"device {target.name} refused: {err}") from None
+    except FAILURES as err:
+        # Unreachable now may be reachable on the next try: the flow retries TransientError, and only that.
+        why = first_line(err, typed=True)
+        raise TransientError(f"{klass.name}: build device {target.name} unreachable: {why}") from None
 
 
 def _target(cfg: Config, klass: BuildClass) -> SshTarget:

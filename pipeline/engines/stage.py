@@ -20,7 +20,7 @@ from pipeline.config import BuildClass, Config
 from pipeline.engines import build
 from pipeline.engines.detect import Host, choose, probe_host
 from pipeline.engines.profile import input_profile
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, TransientError
 from pipeline.files import write_json
 from pipeline.fleet.classes import from_inventory
 from pipeline.fleet.inventory import load_inventory
@@ -83,15 +83,17 @@ def declared_classes(cfg: Config, log: Callable[[str], None]) -> list[BuildClass
 def _classes_body(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageResult:
     ctx = _context(cfg, run, log)
     rows: list[dict[str, Any]] = []
-    errors: list[str] = []
+    errors: list[PipelineError] = []
     for klass in declared_classes(cfg, log):
         try:
             rows.append(build.build_class(ctx, klass))
         except PipelineError as err:
-            errors.append(f"{klass.name}: {err}")
+            errors.append(err)
     write_json(run.path / CLASSES, rows)
     if errors:
-        raise PipelineError(f"build: {len(errors)} class(es) failed: {'; '.join(errors)}")
+        # A retry can only cure the stage when every failure was an unreachable build device.
+        kind = TransientError if all(isinstance(e, TransientError) for e in errors) else PipelineError
+        raise kind(f"build: {len(errors)} class(es) failed: {'; '.join(map(str, errors))}")
     made = [row for row in rows if row["status"] != build.NOT_BUILT]
     metrics = {
         "classes": {row["class"]: row for row in rows},

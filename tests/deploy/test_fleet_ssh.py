@@ -307,6 +307,7 @@ def test_connection_killed_mid_upload_then_resumed(jetson_fleet, make_two_runs):
         deploy.run(cfg, second, **QUIET)
     killer.join()
     assert not target.running, f"the device was not killed during the upload: {err.value}"
+    assert isinstance(err.value, TransientError)  # the flow retries it, and the retry resumes the upload
     target.restart()
     assert intact(target, a) and links(target) == (a, "")
 

@@ -7,15 +7,17 @@ import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
+import asyncssh
 import pytest
 
 from pipeline import engines
-from pipeline.config import BuildConfig, Config, DeployConfig, ExportConfig
-from pipeline.errors import PipelineError
+from pipeline.config import BuildClass, BuildConfig, Config, DeployConfig, ExportConfig
+from pipeline.errors import PipelineError, TransientError
 from pipeline.fleet.classes import from_facts
 from pipeline.fleet.probe import Facts
 from pipeline.manifest import RunDir
 from tests.harness import XAVIER_NX_JP513, TargetSpec, fixtures
+from tests.harness.inventory import write_inventory
 from tests.harness.standin_tools import read_plan
 
 jetson_fleet = fixtures.jetson_fleet
@@ -77,3 +79,23 @@ def test_fleet_classes_are_built_on_their_devices(make_run: MakeRun, jetson_flee
     failed = r"orin-sm87-trt10\.3\.0: build: trtexec on device orin-01 exited with status 1: .*Error\[2\]: Requested"
     with pytest.raises(PipelineError, match=failed):
         engines.run(cfg, run, **QUIET)
+
+
+def test_an_unreachable_build_device_is_transient(make_run: MakeRun, tmp_path: Path):
+    """Nothing listens where the build device should be: the stage fails with a TransientError (the flow retries
+    that, and only that), instead of reporting the class "not built" and letting deploy ship ONNX only."""
+    key = tmp_path / "id_ed25519"
+    asyncssh.generate_private_key("ssh-ed25519").write_private_key(str(key), "pkcs8-pem")
+    (tmp_path / "known_hosts").write_text("")
+    inventory = write_inventory(
+        tmp_path / "fleet.toml",
+        {"key": str(key), "known_hosts": str(tmp_path / "known_hosts")},
+        {},
+        [{"name": "orin-01", "host": "127.0.0.1", "port": 9}],
+    )
+    klass = BuildClass(name=ORIN, tensorrt="10.3.0", sm="sm87", builder="device", target="orin-01")
+    cfg = Config(
+        build=BuildConfig(classes=[klass], cache_dir=tmp_path / "cache"), deploy=DeployConfig(inventory=inventory)
+    )
+    with pytest.raises(TransientError, match=rf"{ORIN}: build device orin-01 unreachable: "):
+        engines.run(cfg, make_run(cfg), **QUIET)

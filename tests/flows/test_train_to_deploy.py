@@ -79,7 +79,7 @@ def test_retraining_skips_unchanged_data_and_promotes_only_a_good_enough_model(t
 def test_retries_only_for_failures_a_retry_can_cure():
     from prefect.states import Failed
 
-    from flows.train_to_deploy import RETRIES, transient
+    from flows.tasks import RETRIES, transient
     from pipeline.errors import PipelineError, TransientError
 
     assert transient(None, None, Failed(data=TransientError("orin-02 unreachable")))
