@@ -9,7 +9,10 @@ STAMP  := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
 JETSON_PKGS := openssh-server openssh-client util-linux iproute2 procps busybox
 # Headless Chromium and its driver, for the test that opens the report in Prefect's UI (tests/flows/test_report_ui.py).
 BROWSER_PKGS := chromium chromium-driver
-SYSTEM_PKGS := $(JETSON_PKGS) $(BROWSER_PKGS)
+# Real photographs (Tux Paint's stamps: animals, fruit, flowers cut out of photos) for the tests that train on a
+# photo folder (tests/photos.py builds it at test time).
+PHOTO_PKGS := tuxpaint-stamps-default
+SYSTEM_PKGS := $(JETSON_PKGS) $(BROWSER_PKGS) $(PHOTO_PKGS)
 
 .PHONY: demo test test-all lint system-deps clean
 

@@ -10,7 +10,7 @@ import hashlib
 import json
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -54,6 +54,20 @@ class DataConfig(Section):
     """Number of images generated when `source = "synthetic"`."""
     synthetic_classes: int = Field(10, ge=2, le=100_000)
     """Number of classes generated when `source = "synthetic"`."""
+    normalize: Literal["auto", "imagenet", "dataset"] = "auto"
+    """Per-channel mean and std images are normalised with (recorded in model.json, so export and the device use
+    the same): `imagenet`, what published weights were trained with; `dataset`, computed over the training split;
+    `auto`, ImageNet's when `model.weights` is set, the training split's otherwise."""
+    augment: bool = True
+    """ImageFolder training images get a random resized crop (`crop_scale`) and a horizontal flip (`hflip`);
+    validation images never do. The tensor sources (digits, synthetic) use `train.augment_shift` instead."""
+    crop_scale: float = Field(0.35, gt=0.0, le=1.0)
+    """Smallest share of an image's area a random resized crop keeps (torchvision's `scale=(crop_scale, 1)`)."""
+    hflip: bool = True
+    """Flip training images left-right at random (`data.augment`); turn off for text or asymmetric signs."""
+    on_bad_image: Literal["error", "skip"] = "error"
+    """An ImageFolder file that cannot be decoded: `error` stops before training with one line naming it; `skip`
+    leaves it out, and the log and train/summary.json count the skipped files."""
 
     @model_validator(mode="after")
     def _path_for_imagefolder(self) -> DataConfig:
@@ -66,7 +80,15 @@ class ModelConfig(Section):
     name: str = "small_cnn"
     """Architecture from `models/`: small_cnn, resnet18, mobilenet_v3_small."""
     weights: Path | None = None
-    """Optional safetensors file with initial weights (nothing is downloaded at run time)."""
+    """Initial weights: torchvision's published `.pth` files (read with `weights_only=True`) or a safetensors file,
+    such as an earlier run's `model/model.safetensors`. When the class count differs, the classifier head is
+    replaced and the log names the dropped tensors. Nothing is downloaded at run time."""
+    freeze: Literal["none", "backbone"] | Annotated[int, Field(ge=0)] = "none"
+    """What does not train during the first `freeze_epochs` epochs: `none`; `backbone`, everything but the
+    classifier head; or a number N, the first N blocks (the units FSDP shards: a stem, a residual block, ...)."""
+    freeze_epochs: int = Field(1, ge=1)
+    """Epochs, from the first, during which `freeze` holds; then every parameter trains. Set it to `train.epochs`
+    to train only the unfrozen part throughout."""
 
 
 class TrainConfig(Section):
@@ -75,7 +97,16 @@ class TrainConfig(Section):
     batch_size: int = Field(64, ge=1, le=1 << 20)
     """Global batch size: split evenly across all ranks."""
     lr: float = Field(1e-2, gt=0.0)
-    """Peak learning rate of AdamW (cosine-decayed to zero)."""
+    """Peak learning rate of AdamW: reached linearly over `warmup_epochs`, then cosine-decayed to zero."""
+    warmup_epochs: float = Field(1.0, ge=0.0)
+    """Epochs of linear learning-rate warm-up from near zero to `lr` (0: none). Fresh BatchNorm statistics and a new
+    classifier head make the first steps' gradients large; a full-size step then wrecks pretrained weights."""
+    bn_recalibration_batches: int = Field(32, ge=0)
+    """Before each epoch's validation (and so before every checkpoint), recompute BatchNorm running statistics as
+    a cumulative average over this many batches of each rank's training images, unaugmented, averaged over all
+    ranks (as `torch.optim.swa_utils.update_bn` does). Running statistics updated with a small momentum (0.01 in
+    torchvision's MobileNetV3) lag the weights by hundreds of steps; eval-mode accuracy then says nothing about
+    the weights. 0: off."""
     weight_decay: float = Field(1e-4, ge=0.0)
     """AdamW weight decay."""
     strategy: Literal["ddp", "fsdp", "auto"] = "ddp"
@@ -291,6 +322,10 @@ class RetrainConfig(Section):
     (the nightly schedule sets this)."""
     promotion_tolerance: float = Field(0.01, ge=0.0, le=1.0)
     """Deploy a new model only when its validation accuracy is at least the deployed model's minus this."""
+    min_accuracy: float | None = Field(None, ge=0.0, le=1.0)
+    """Validation accuracy below which the run stops before build and deploy: a model at chance is not shipped.
+    Unset: twice chance (1/classes) or a fifth of the way from chance to 1, whichever is lower (5 classes: 0.36,
+    2 classes: 0.6, 100 classes: 0.02)."""
 
 
 class Config(Section):

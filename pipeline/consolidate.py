@@ -58,6 +58,7 @@ def _dataset_info(path: Path) -> DatasetInfo:
             image_size=int(data["image_size"]),
             mean=[float(v) for v in data["mean"]],
             std=[float(v) for v in data["std"]],
+            normalization=str(data.get("normalization", "dataset")),
         )
     except (KeyError, TypeError, ValueError) as err:
         raise PipelineError(f"{path}: not a dataset description: missing or invalid {err}") from None
@@ -130,6 +131,7 @@ def model_json(cfg: Config, info: DatasetInfo, step_dir: Path, val_accuracy: flo
             "width": info.image_size,
             "mean": info.mean,
             "std": info.std,
+            "normalization": info.normalization,
         },
         "metrics": {"val_accuracy": val_accuracy},
         "lineage": lineage,

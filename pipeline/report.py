@@ -143,6 +143,9 @@ def _gates(run: RunDir) -> list[str]:
             keys = ["accuracy", "drop", "max_abs_diff", "passed"]
             rows = [[name, *(v.get(k, "") for k in keys)] for name, v in variants.items()]
             lines += ["Precision variants:", "", *_table(["variant", *keys], rows), ""]
+    useful = run.manifest().get("gates", {}).get("floor")
+    if useful:
+        lines += [f"Accuracy floor: {'passed' if useful['passed'] else 'failed'}: {useful['reason']}", ""]
     promotion = run.manifest().get("gates", {}).get("promotion")
     if promotion:
         lines += [f"Promotion: {'passed' if promotion['passed'] else 'failed'}: {promotion['reason']}", ""]
@@ -200,6 +203,24 @@ def _image(run: RunDir, relative: str, alt: str, embed: bool) -> list[str]:
     return [f"![{alt}]({src})", ""]
 
 
+def _batchnorm(run: RunDir) -> list[str]:
+    """What the BatchNorm check found: eval mode against batch statistics on the same images, and any warning."""
+    metrics = run.manifest().get("stages", {}).get("train", {}).get("metrics", {})
+    eval_acc, batch_acc = metrics.get("eval_mode_accuracy"), metrics.get("train_mode_accuracy")
+    if eval_acc is None or batch_acc is None:
+        return []
+    images = metrics.get("bn_recalibration_images") or 0
+    how = f"recomputed over {images} training images" if images else "not recomputed (train.bn_recalibration_batches)"
+    lines = [
+        f"BatchNorm statistics {how}; on the same training images eval mode scores {eval_acc:.4f}, "
+        f"batch statistics {batch_acc:.4f}.",
+        "",
+    ]
+    if warnings := metrics.get("warnings"):
+        lines += [*(f"**Warning:** {text}" for text in warnings), ""]
+    return lines
+
+
 def markdown(run: RunDir, embed_images: bool = False) -> str:
     """The run's report.md: identity, stage table, training curves, gates, deploy table and outputs.
 
@@ -225,6 +246,7 @@ def markdown(run: RunDir, embed_images: bool = False) -> str:
         keys = ["epoch", "train_loss", "val_loss", "val_accuracy"]
         lines += ["## Training", "", *_table(keys, [[e[k] for k in keys] for e in epochs]), ""]
         lines += _image(run, CURVES, "loss and accuracy", embed_images)
+    lines += _batchnorm(run)
     lines += _gates(run) + _deploy(run) + ["## Outputs", ""]
     lines += [f"- {r['stage']}: `{path}`" for r in rows for path in r["outputs"].values()]
     return "\n".join(lines) + "\n"

@@ -14,7 +14,7 @@ from pipeline import registry
 from pipeline.config import DEFAULT_CONFIG, Config, apply_overrides, load_config, validate
 from pipeline.errors import PipelineError
 from pipeline.files import read_json
-from pipeline.layout import CONFIG_SNAPSHOT
+from pipeline.layout import CONFIG_SNAPSHOT, DATASET
 from pipeline.manifest import RunDir, Stage, StageResult, create_run_dir
 
 STAGES = ("train", "consolidate", "export", "build", "deploy")
@@ -100,20 +100,68 @@ def promote(cfg: Config, run: RunDir) -> registry.GateResult:
     return gate
 
 
+def chance_floor(classes: int) -> float:
+    """The default `retrain.min_accuracy`: twice chance, or a fifth of the way from chance to 1, whichever is
+    lower. Clearly above what guessing scores, yet reachable for many classes (100 classes: 0.02)."""
+    chance = 1.0 / classes
+    return round(min(2 * chance, chance + 0.2 * (1 - chance)), 4)
+
+
+@dataclass(frozen=True)
+class FloorResult:
+    """Outcome of the accuracy floor: is the model clearly better than guessing?"""
+
+    passed: bool
+    accuracy: float
+    floor: float
+    classes: int
+    derived: bool
+    """True when the floor is the default derived from the class count, False when `retrain.min_accuracy` set it."""
+
+    @property
+    def reason(self) -> str:
+        """One sentence a person can read in the report."""
+        source = f"derived from {self.classes} classes, chance {1 / self.classes:.4f}" if self.derived else "set"
+        verdict = "clears" if self.passed else "is not clearly above chance: below"
+        return (
+            f"validation accuracy {self.accuracy:.4f} {verdict} the floor {self.floor:.4f} "
+            f"(retrain.min_accuracy, {source})"
+        )
+
+
+def accuracy_floor(accuracy: float, classes: int, min_accuracy: float | None) -> FloorResult:
+    """Pass when `accuracy` reaches `min_accuracy`, or the floor derived from the class count when it is unset."""
+    floor = chance_floor(classes) if min_accuracy is None else min_accuracy
+    return FloorResult(accuracy >= floor, accuracy, floor, classes, min_accuracy is None)
+
+
+def floor(cfg: Config, run: RunDir) -> FloorResult:
+    """The accuracy floor on the trained model, recorded in the manifest under gates.floor."""
+    accuracy = run.manifest()["stages"]["train"]["metrics"]["val_accuracy"]
+    classes = len(read_json(run.path / DATASET)["classes"])
+    gate = accuracy_floor(accuracy, classes, cfg.retrain.min_accuracy)
+    run.annotate("gates", "floor", value={**asdict(gate), "reason": gate.reason})
+    return gate
+
+
 def run_pipeline(
     cfg: Config, run: RunDir, log: Callable[[str], None] = print, execute: Execute | None = None
 ) -> Outcome:
     """Run the stages in order, with the retraining rules between them.
 
     `execute` runs one stage by name (the Prefect flow passes one that submits a task); by default stages run here.
-    With `retrain.only_on_new_data`, an unchanged run ends before training. After export, a model worse than the
-    deployed champion (beyond `retrain.promotion_tolerance`) ends the run before build and deploy.
+    With `retrain.only_on_new_data`, an unchanged run ends before training. After export, a model not clearly
+    above chance (`retrain.min_accuracy`), or worse than the deployed champion (beyond
+    `retrain.promotion_tolerance`), ends the run before build and deploy.
     """
     execute = execute or (lambda stage: run_one(stage, cfg, run, log))
     outcome = Outcome()
     if cfg.retrain.only_on_new_data and (reason := nothing_new(cfg, run)):
         outcome.stopped = reason
     for stage in STAGES if not outcome.stopped else ():
+        if stage == "build" and not (useful := floor(cfg, run)).passed:
+            outcome.stopped = f"stopped before build: {useful.reason}"
+            break
         if stage == "build" and not (gate := promote(cfg, run)).passed:
             outcome.stopped = f"stopped before build: {gate.reason}"
             break

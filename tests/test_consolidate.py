@@ -105,6 +105,7 @@ def test_model_json_describes_input_and_lineage(cfg: Config, run: RunDir, source
         "width": 16,
         "mean": info["mean"],
         "std": info["std"],
+        "normalization": "dataset",  # the training split's own statistics: digits, from scratch
     }
     assert meta["metrics"] == {"val_accuracy": 0.875}
     lineage = meta["lineage"]

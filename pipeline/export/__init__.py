@@ -92,7 +92,9 @@ def _result(
 def _splits(cfg: Config, meta: dict[str, Any]) -> data.Splits:
     """The dataset split as in training, after checking it is the data (classes, image size) the model knows."""
     spec = meta["input"]
-    splits = data.load(cfg.data, cfg.run.seed, channels=int(spec["channels"]))
+    # The model's own normalisation, from model.json: the statistics it was trained with, wherever they came from.
+    stats = ([float(v) for v in spec["mean"]], [float(v) for v in spec["std"]])
+    splits = data.load(cfg.data, cfg.run.seed, channels=int(spec["channels"]), stats=stats)
     if splits.info.classes != meta["classes"]:
         raise PipelineError(f"data: its classes differ from those in {MODEL_JSON} (other dataset?)")
     size, trained = (splits.info.image_size,) * 2, (int(spec["height"]), int(spec["width"]))
@@ -123,7 +125,7 @@ def _build_variants(
         if variant == "fp16":
             to_fp16(fp32, dest)
         else:
-            batches = _batches(splits.train, cfg.export.max_batch, cfg.export.calibration_samples)
+            batches = _batches(splits.train_eval, cfg.export.max_batch, cfg.export.calibration_samples)
             calibration = [images for images, _ in batches]
             to_int8(fp32, dest, calibration)
             log(f"[export] int8: calibrated on {sum(len(b) for b in calibration)} training images")

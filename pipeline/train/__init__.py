@@ -15,7 +15,17 @@ from pipeline.files import read_json, sha256_file
 from pipeline.manifest import RunDir, Stage, StageResult, cached_result, run_stage
 from pipeline.train.launcher import launch
 
-SUMMARY_METRICS = ("val_accuracy", "epochs", "steps", "samples_per_s", "seconds")
+SUMMARY_METRICS = (
+    "val_accuracy",
+    "epochs",
+    "steps",
+    "samples_per_s",
+    "seconds",
+    "eval_mode_accuracy",
+    "train_mode_accuracy",
+    "bn_recalibration_images",
+    "warnings",
+)
 
 __all__ = ["STAGE", "launch", "run"]
 

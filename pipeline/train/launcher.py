@@ -20,7 +20,7 @@ from pipeline.config import Config, TrainConfig
 from pipeline.errors import PipelineError
 from pipeline.layout import CONFIG_SNAPSHOT
 from pipeline.manifest import RunDir
-from pipeline.train import checkpoint, procgroup
+from pipeline.train import checkpoint, finetune, procgroup
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -91,6 +91,13 @@ def preflight(cfg: Config) -> None:
         )
     if cfg.model.weights is not None and not cfg.model.weights.is_file():
         raise PipelineError(f"model.weights: {cfg.model.weights}: file not found")
+    if cfg.model.weights is not None or cfg.model.freeze != "none":
+        # A file that does not fit, or a freeze that leaves nothing to train, is one line here rather than a
+        # traceback from every rank. The head may have any class count: a mismatch there is replaced, not an error.
+        model = models.build_model(cfg.model.name, 2, spec.channels or data.native_channels(cfg.data))
+        if cfg.model.weights is not None:
+            models.load_weights(model, cfg.model.name, cfg.model.weights)
+        finetune.frozen_names(model, cfg.model.name, cfg.model.freeze)
     train_size = len(data.load(cfg.data, cfg.run.seed, channels=spec.channels).train)
     if cfg.train.batch_size > train_size:
         raise PipelineError(

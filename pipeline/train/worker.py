@@ -29,22 +29,13 @@ from pipeline.config import Config
 from pipeline.errors import PipelineError
 from pipeline.files import write_json
 from pipeline.manifest import RunDir
-from pipeline.train import checkpoint, runtime, stepping, strategy, thermal
+from pipeline.train import batchnorm, checkpoint, finetune, runtime, stepping, strategy, thermal
 from pipeline.train.metrics import MetricsLog
 from pipeline.train.runtime import Runtime
 
 VAL_BATCH = 256
 SETTLE_S = 30.0
 """Seconds a failing rank waits for its checkpoint write in flight, so that a finished one is still committed."""
-
-
-def cosine_lr(peak: float, step: int, total: int) -> float:
-    """Learning rate for `step` (0-based) of `total`: cosine decay from `peak` towards zero.
-
-    A pure function of the step, so a resumed run continues the schedule without any saved scheduler state.
-    """
-    progress = min(step / max(total, 1), 1.0)
-    return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def per_rank_batch(global_batch: int, world_size: int) -> int:
@@ -72,8 +63,11 @@ class Trainer:
 
     def __init__(self, cfg: Config, run_dir: Path, rt: Runtime) -> None:
         self.cfg, self.run_dir, self.rt = cfg, run_dir, rt
-        splits = data.load(cfg.data, cfg.run.seed, channels=models.spec_for(cfg.model.name).channels)
-        self.info = splits.info
+        channels = models.spec_for(cfg.model.name).channels
+        splits = data.load(cfg.data, cfg.run.seed, channels=channels, pretrained=cfg.model.weights is not None)
+        self.info, self.skipped = splits.info, splits.skipped
+        if rt.is_main and self.skipped:
+            print(f"data: skipped {len(self.skipped)} unreadable image(s), first {self.skipped[0]}", file=sys.stderr)
         self.sampler = DistributedSampler(splits.train, rt.world_size, rt.rank, shuffle=True, seed=cfg.run.seed)
         batch = per_rank_batch(cfg.train.batch_size, rt.world_size)
         self.batch = batch
@@ -82,14 +76,22 @@ class Trainer:
         # Disjoint strided shards: every validation image is counted exactly once across ranks.
         own_val = Subset(splits.val, range(rt.rank, len(splits.val), rt.world_size))
         self.val_loader = DataLoader(own_val, batch_size=VAL_BATCH)
+        # Unaugmented training images, as validation sees them: BatchNorm statistics are for eval-time inputs.
+        self.plain_sampler = DistributedSampler(splits.train_eval, rt.world_size, rt.rank, seed=cfg.run.seed)
+        self.plain_loader = DataLoader(splits.train_eval, batch_size=batch, sampler=self.plain_sampler)
         self.input_shape = tuple(splits.train[0][0].shape)
         torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
-        net = models.build_model(cfg.model.name, len(self.info.classes), self.info.channels, cfg.model.weights)
+        net = models.build_model(cfg.model.name, len(self.info.classes), self.info.channels)
+        self.dropped = self._load_weights(net)
+        frozen = finetune.frozen_names(net, cfg.model.name, cfg.model.freeze)
         stepping.assert_same_weights(net, rt.device)
         self.strategy, reason = strategy.choose(net, torch.zeros(1, *self.input_shape), batch, cfg.train, rt)
         if rt.is_main:
             print(f"strategy: {self.strategy} ({reason})", file=sys.stderr)
         self.model, self.comm = strategy.wrap(net, cfg.train, rt, self.strategy)
+        # FSDP swaps parameters for sharded ones in place and DDP wraps them: find them by name after wrapping.
+        self.frozen = [p for n, p in strategy.unwrap(self.model).named_parameters() if n in frozen]
+        self.freezing = False
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         self.scaler = stepping.make_scaler(rt, self.model)
         self.event: str | None = None
@@ -98,12 +100,27 @@ class Trainer:
         self.thermal = thermal.Controller(cfg.train.accumulation, limit, sensor, every, max_factor=batch)
         self.steps_per_epoch = len(self.train_loader)
         self.total_steps = cfg.train.epochs * self.steps_per_epoch
+        self.warmup_steps = min(round(cfg.train.warmup_epochs * self.steps_per_epoch), self.total_steps)
+        self.frozen_steps = cfg.model.freeze_epochs * self.steps_per_epoch
+        self.bn_images = 0
+        self.modes: batchnorm.ModeCheck | None = None
         self.ckpt_root = run_dir / layout.CHECKPOINTS
         self.checkpointer = checkpoint.Checkpointer(
             self.ckpt_root, cfg.train.keep_checkpoints, checkpoint.background(cfg.train.checkpoint_async, rt.device)
         )
         self.samples = 0
         self.train_seconds = 0.0
+
+    def _load_weights(self, net: torch.nn.Module) -> list[str]:
+        """Load `model.weights` into `net` when set; rank 0 names the head tensors dropped for another class count."""
+        path = self.cfg.model.weights
+        if path is None:
+            return []
+        dropped = models.load_weights(net, self.cfg.model.name, path)
+        if self.rt.is_main:
+            what = f"replaced the classifier head, dropped {', '.join(dropped)}" if dropped else "every tensor fits"
+            print(f"model.weights: {path}: {what}", file=sys.stderr)
+        return dropped
 
     def resume(self) -> tuple[int, int, int]:
         """(epoch to run, global step so far, batches of that epoch already done): from `latest` if there is one."""
@@ -161,6 +178,11 @@ class Trainer:
                     loss = F.cross_entropy(self.model(xs), ys) * (len(ys) / len(y))
                 self.scaler.scale(loss).backward()
             total += loss.item()
+        if self.freezing:
+            # Without a gradient AdamW leaves a parameter alone (no step, no weight decay, no moments), and
+            # clipping does not count it. requires_grad stays on: DDP fixes the parameters it syncs when it wraps.
+            for p in self.frozen:
+                p.grad = None
         if self.cfg.train.grad_clip_norm is not None:
             self.scaler.unscale_(self.optim)
             # Under FSDP the gradients are DTensor shards: the norm is still the global one.
@@ -186,7 +208,8 @@ class Trainer:
         last = time.perf_counter()
         every = self.cfg.train.checkpoint_every_steps
         for index, (x, y) in enumerate(bar, start=skip + 1):
-            lr = cosine_lr(self.cfg.train.lr, step, self.total_steps)
+            lr = finetune.scheduled_lr(self.cfg.train.lr, step, self.total_steps, self.warmup_steps)
+            self.freezing = bool(self.frozen) and step < self.frozen_steps
             x = stepping.augment(x, self.cfg.train.augment_shift, self.cfg.run.seed, self.rt.rank, step)
             self.event = None
             why = self.thermal.check(step)
@@ -239,11 +262,36 @@ class Trainer:
         for _ in range(int(most.item()) - done):
             net(torch.zeros(1, *self.input_shape, device=self.rt.device))
 
+    def recalibrate(self, epoch: int) -> None:
+        """BatchNorm running statistics recomputed with the current weights (`train.bn_recalibration_batches`)."""
+        self.plain_sampler.set_epoch(epoch)
+        net = strategy.unwrap(self.model)  # not through DDP, which would broadcast rank 0's buffers each forward
+        batches = self.cfg.train.bn_recalibration_batches
+        seen = batchnorm.recalibrate(net, self.plain_loader, batches, self.rt.device, self.rt.autocast)
+        self.bn_images = seen * self.rt.world_size
+
+    def check_modes(self) -> batchnorm.ModeCheck | None:
+        """Eval mode against batch statistics on the first batch of each rank's training images; rank 0 warns."""
+        x, y = next(iter(self.plain_loader))
+        check = batchnorm.check_modes(
+            strategy.unwrap(self.model), x.to(self.rt.device), y.to(self.rt.device), self.rt.autocast
+        )
+        if check is not None and check.warning and self.rt.is_main:
+            tqdm.write(f"warning: {check.warning}", sys.stderr)
+        return check
+
     def end_epoch(self, epoch: int, step: int, log: MetricsLog | None) -> float:
-        """Validate, log and checkpoint after `epoch`; returns the validation accuracy."""
+        """Recompute BatchNorm statistics, validate, compare eval and train mode, log and checkpoint after `epoch`;
+        returns the validation accuracy."""
+        self.recalibrate(epoch)
         accuracy, val_loss = self.validate()
+        self.modes = self.check_modes()
         if log is not None:
-            log.write({"epoch": epoch, "val_accuracy": accuracy, "val_loss": val_loss})
+            row = {"epoch": epoch, "val_accuracy": accuracy, "val_loss": val_loss, "bn_images": self.bn_images}
+            if self.modes is not None:
+                row |= {"eval_mode_accuracy": self.modes.eval_accuracy}
+                row |= {"train_mode_accuracy": self.modes.train_mode_accuracy}
+            log.write(row)
             tqdm.write(f"epoch {epoch + 1}: val_accuracy {accuracy:.4f} val_loss {val_loss:.4f}", sys.stderr)
         self.save(epoch, step, next_batch=0)
         return accuracy
@@ -269,6 +317,8 @@ class Trainer:
                 log.close()
         if accuracy is None:  # every epoch was already done: report what the checkpoint scores
             accuracy, _ = self.validate()
+            self.modes = self.check_modes()
+        modes = self.modes
         return {
             "epochs": self.cfg.train.epochs,
             "steps": step,
@@ -280,6 +330,12 @@ class Trainer:
             "compression": self.cfg.train.compression,
             "strategy": self.strategy,
             "samples_per_s": self.samples / self.train_seconds if self.train_seconds else 0.0,
+            "bn_recalibration_images": self.bn_images,
+            "eval_mode_accuracy": modes.eval_accuracy if modes else None,
+            "train_mode_accuracy": modes.train_mode_accuracy if modes else None,
+            "warnings": [modes.warning] if modes and modes.warning else [],
+            "weights_dropped": self.dropped,
+            "skipped_images": self.skipped,
         }
 
 

@@ -11,14 +11,7 @@ from pipeline.config import validate
 from pipeline.errors import PipelineError
 from pipeline.files import sha256_file
 from pipeline.train.compression import CommCounter
-from pipeline.train.worker import cosine_lr, per_rank_batch
-
-
-def test_cosine_lr_decays_from_peak_to_zero() -> None:
-    assert cosine_lr(0.1, 0, 100) == pytest.approx(0.1)
-    assert cosine_lr(0.1, 50, 100) == pytest.approx(0.05)
-    assert cosine_lr(0.1, 100, 100) == pytest.approx(0.0)
-    assert cosine_lr(0.1, 150, 100) == pytest.approx(0.0)  # a shorter resumed schedule never goes negative
+from pipeline.train.worker import per_rank_batch
 
 
 def test_per_rank_batch_splits_the_global_batch() -> None:
