@@ -20,7 +20,7 @@ from pipeline import safe_dcp
 from pipeline.config import Config
 from pipeline.data import DatasetInfo
 from pipeline.errors import PipelineError
-from pipeline.files import read_json, sha256_file
+from pipeline.files import clear_leftovers, read_json, sha256_file
 from pipeline.layout import DATASET, LATEST, MODEL_DIR, MODEL_JSON, SUMMARY, WEIGHTS
 from pipeline.manifest import RunDir, Stage, StageResult, run_stage, tool_versions
 from pipeline.modelfile import write_model
@@ -41,6 +41,7 @@ def _consolidate(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageR
     safe_dcp.load({"model": state}, step_dir, no_dist=True)
     _check_finite(state, step_dir)
     meta = model_json(cfg, info, step_dir, val_accuracy)
+    clear_leftovers(run.path / MODEL_DIR)  # a consolidate killed mid-write left its temp file
     write_model(run.path / MODEL_DIR, state, meta)
     parameters = sum(p.numel() for p in model.parameters())
     log(f"[consolidate] {step_dir.name}: {cfg.model.name}, {parameters:,} parameters -> {WEIGHTS}")

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,24 @@ def atomic_path(path: Path) -> Iterator[Path]:
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
+
+
+def clear_leftovers(directory: Path) -> list[str]:
+    """Remove what a killed writer left in `directory` (`.staging-*` directories, `.*.tmp` files) and return their
+    names. Only for a stage's own output directory, under its stage lock, where no other writer can be at work."""
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if p.name.startswith(".staging-") or _is_temp(p.name)]
+    for path in found:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return sorted(p.name for p in found)
+
+
+def _is_temp(name: str) -> bool:
+    return name.startswith(".") and name.endswith(".tmp")
 
 
 def write_bytes(path: Path, data: bytes) -> None:

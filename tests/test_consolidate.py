@@ -357,3 +357,11 @@ def test_consolidate_publishes_every_file_durably(cfg: Config, run: RunDir, sour
     assert proc.returncode == 0
     assert publishes(log, run.path) >= 3  # the weights, model.json, the manifest: the trace saw them
     assert unsynced_publishes(log, run.path) == []
+
+
+def test_a_killed_consolidates_temp_file_is_removed_by_the_next(cfg: Config, run: RunDir, source: nn.Module) -> None:
+    leftover = run.path / "model" / ".model.safetensors.99999.tmp"  # what a SIGKILL mid-write leaves
+    leftover.parent.mkdir(parents=True)
+    leftover.write_bytes(b"half a file")
+    consolidate.run(cfg, run, log=lambda _: None)
+    assert not leftover.exists() and (run.path / "model" / "model.safetensors").is_file()

@@ -19,13 +19,16 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+# Before onnxruntime.quantization: it appends onnxruntime/transformers to sys.path, whose `models/` namespace
+# would otherwise stand for this project's `models` package in an editable install (docs/onnxruntime.md).
+import models  # noqa: F401
 from pipeline import data
 from pipeline.config import Config
 from pipeline.errors import PipelineError
 from pipeline.export.onnx_export import export_onnx
 from pipeline.export.parity import check_parity, save_sample, variant_accuracy
 from pipeline.export.variants import VARIANTS, to_fp16, to_int8
-from pipeline.files import publish, write_json
+from pipeline.files import clear_leftovers, publish, write_json
 from pipeline.layout import MODEL_DIR, MODEL_JSON, ONNX, ONNX_DIR, PARITY, SAMPLE, WEIGHTS, onnx_name, onnx_path
 from pipeline.manifest import RunDir, Stage, StageResult, run_stage
 from pipeline.modelfile import load_model
@@ -49,9 +52,9 @@ def _export(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageResult
     images, labels = data.val_batch(splits, cfg.export.parity_samples)
     onnx_dir = run.path / ONNX_DIR
     onnx_dir.mkdir(parents=True, exist_ok=True)
+    clear_leftovers(onnx_dir)  # an export killed mid-way left its staging directory
     staging = onnx_dir / f".staging-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    staging.mkdir(parents=True)
     try:
         fp32 = staging / onnx_name("fp32")
         facts = export_onnx(model, meta, cfg.export, fp32)

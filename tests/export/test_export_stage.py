@@ -114,6 +114,9 @@ def test_failed_parity_gate_keeps_evidence_but_writes_no_model(
 ) -> None:
     cfg = make_config()
     run = make_run(cfg)
+    leftover = run.path / "onnx" / ".staging-99999"  # what an export killed mid-way leaves
+    leftover.mkdir(parents=True)
+    (leftover / "model.onnx").write_bytes(b"half a file")
     _perturbed_export(monkeypatch)
     with pytest.raises(PipelineError, match=r"parity\.json: fp32 parity gate failed: max_abs_diff 1 \(atol 0\.0001\)"):
         export_stage.run(cfg, run, log=lambda _: None)
@@ -121,7 +124,8 @@ def test_failed_parity_gate_keeps_evidence_but_writes_no_model(
     assert parity["passed"] is False and parity["all_passed"] is False
     assert parity["max_abs_diff"] == pytest.approx(1.0, abs=1e-4)
     assert parity["variants"]["fp32"]["passed"] is False
-    assert sorted(p.name for p in (run.path / "onnx").iterdir()) == ["parity.json"]  # no model, no staging dir
+    # No model, no staging directory: neither this run's nor the one a killed export left.
+    assert sorted(p.name for p in (run.path / "onnx").iterdir()) == ["parity.json"]
     assert "export" not in run.manifest()["stages"]
 
 
