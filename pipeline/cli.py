@@ -289,18 +289,21 @@ def deploy_rollback(
     as_json: JsonOpt = False,
 ) -> None:
     """Switch targets back to their previous release."""
+    from pipeline import registry
     from pipeline.config import load_config
 
+    cfg = load_config(config, set_)
     path = _inventory(config, set_, inventory)
     if path is None:
         from pipeline.deploy import rollback
 
-        print_rows(console, rollback(load_config(config, set_), target), ROLLBACK_COLUMNS, wide=wide, as_json=as_json)
-        return
-    from pipeline.deploy import ssh_fleet
-    from pipeline.fleet.inventory import load_inventory
+        rows = rollback(cfg, target)
+    else:
+        from pipeline.deploy import ssh_fleet
+        from pipeline.fleet.inventory import load_inventory
 
-    rows = ssh_fleet.rollback(load_inventory(path), target)
+        rows = ssh_fleet.rollback(load_inventory(path), target)
+    registry.record_rollback(cfg.run.runs_root, rows)
     print_rows(console, rows, ROLLBACK_COLUMNS, wide=wide, as_json=as_json)
     _exit_if(rows, ok=("ROLLED_BACK",))
 

@@ -42,10 +42,27 @@ class RunRecord:
         return self.stage("train").get("metrics", {}).get("val_accuracy")
 
     @property
-    def deployed(self) -> bool:
-        """True when the deploy stage finished with every target active."""
-        return self.stage("deploy").get("status") == "done"
+    def release(self) -> str | None:
+        """The release id its deploy stage shipped, if it deployed."""
+        return self.stage("deploy").get("metrics", {}).get("release")
 
+    @property
+    def deployed(self) -> bool:
+        """True when the deploy stage finished with every target active and no rollback has taken it off since."""
+        return self.stage("deploy").get("status") == "done" and not self.manifest.get("rolled_back")
+
+
+def record_rollback(root: Path, rows: list[dict[str, Any]]) -> None:
+    """Tell the registry what a rollback did: the run whose release was switched away from is no longer deployed
+    (so it stops being the champion), and the run of the release restored counts as deployed again."""
+    for row in rows:
+        if row.get("status") != "ROLLED_BACK":
+            continue
+        for record in list_runs(root):
+            if record.release == row.get("previous"):  # the release that was current before the rollback
+                RunDir(record.path).annotate("rolled_back", value={"target": row["target"], "to": row["current"]})
+            elif record.release == row.get("current") and record.manifest.get("rolled_back"):
+                RunDir(record.path).annotate("rolled_back", value=None)
 
 def list_runs(root: Path) -> list[RunRecord]:
     """Every run under `root`, newest first. A manifest that cannot be read, or is not shaped as the pipeline writes

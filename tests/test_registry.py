@@ -7,15 +7,17 @@ from pathlib import Path
 
 from pipeline.config import load_config
 from pipeline.manifest import StageResult, create_run_dir
-from pipeline.registry import champion, list_runs, promotion_gate, trained_with
+from pipeline.registry import champion, list_runs, promotion_gate, record_rollback, trained_with
 
 
-def _fake_run(root: Path, run_id: str, accuracy: float, deployed: bool, data: str = "d1") -> Path:
+def _fake_run(
+    root: Path, run_id: str, accuracy: float, deployed: bool, data: str = "d1", release: str = "rel"
+) -> Path:
     cfg = load_config()
     run = create_run_dir(cfg, root / run_id)
     train = StageResult("train", "done", metrics={"val_accuracy": accuracy})
     run.record(train, {"config_digest": "c1", "inputs": {"data": data}})
-    deploy = StageResult("deploy", "done" if deployed else "skipped")
+    deploy = StageResult("deploy", "done" if deployed else "skipped", metrics={"release": release})
     run.record(deploy, {})
     return run.path
 
@@ -81,3 +83,17 @@ def test_a_malformed_manifest_is_skipped_with_a_warning_not_fatal(tmp_path: Path
     assert "20260102-000000-list" in skipped and "not a JSON object" in skipped
     assert "20260103-000000-text" in skipped and "'0.95', not a number" in skipped
     assert "20260104-000000-junk" in skipped and "corrupt JSON" in skipped
+
+
+def test_a_rollback_hands_the_championship_back(tmp_path: Path):
+    """After `pipeline deploy rollback` the fleet runs the older release again: its run is the champion again, and
+    the run rolled back from no longer counts as deployed (a second rollback swaps back)."""
+    old = _fake_run(tmp_path, "20260101-000000-aaaa", 0.90, deployed=True, release="rel-a")
+    new = _fake_run(tmp_path, "20260102-000000-bbbb", 0.95, deployed=True, release="rel-b")
+    assert champion(tmp_path).path == new
+    rolled = {"target": "orin-01", "status": "ROLLED_BACK", "current": "rel-a", "previous": "rel-b"}
+    record_rollback(tmp_path, [rolled, {"target": "orin-02", "status": "FAILED", "current": "x", "previous": "y"}])
+    assert champion(tmp_path).path == old
+    assert promotion_gate(0.91, tmp_path, 0.0).champion_run == old.name
+    record_rollback(tmp_path, [{**rolled, "current": "rel-b", "previous": "rel-a"}])
+    assert champion(tmp_path).path == new
