@@ -7,6 +7,7 @@ Two questions are answered here, for scheduled retraining: has anything changed 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -121,6 +122,8 @@ class GateResult:
     champion: float | None
     champion_run: str | None
     tolerance: float
+    evidence: str = "recorded val_accuracy of each run"
+    """What the two numbers are: both models scored on the same held-out images, or each run's own record."""
 
     @property
     def reason(self) -> str:
@@ -130,14 +133,32 @@ class GateResult:
         verdict = "promoted" if self.passed else "not promoted"
         return (
             f"challenger {self.challenger:.4f} vs champion {self.champion:.4f} ({self.champion_run}) "
-            f"with tolerance {self.tolerance:.4f}: {verdict}"
+            f"with tolerance {self.tolerance:.4f}, {self.evidence}: {verdict}"
         )
 
 
-def promotion_gate(challenger: float, root: Path, tolerance: float, exclude: Path | None = None) -> GateResult:
-    """Promote when the challenger's accuracy is at least the champion's minus `tolerance`."""
+def promotion_gate(
+    challenger: float,
+    root: Path,
+    tolerance: float,
+    exclude: Path | None = None,
+    holdout: Callable[[Path], float] | None = None,
+) -> GateResult:
+    """Promote when the challenger's accuracy is at least the champion's minus `tolerance`.
+
+    `challenger` is the challenger's recorded accuracy and `exclude` its run directory. With `holdout` (run
+    directory → accuracy on one fixed set of held-out images), both runs are scored by it, so the numbers compare
+    like with like; where a run cannot be scored that way (its exported model is gone), the recorded numbers are
+    compared, and the gate says so.
+    """
     best = champion(root, exclude=exclude)
     if best is None or best.val_accuracy is None:
         return GateResult(True, challenger, None, None, tolerance)
-    passed = challenger >= best.val_accuracy - tolerance
-    return GateResult(passed, challenger, best.val_accuracy, best.run_id, tolerance)
+    ours, theirs, evidence = challenger, best.val_accuracy, "recorded val_accuracy of each run"
+    if holdout is not None and exclude is not None:
+        try:
+            ours, theirs = holdout(exclude), holdout(best.path)
+            evidence = "both exported models on the same held-out images"
+        except PipelineError as err:
+            evidence = f"recorded val_accuracy of each run (not scored on held-out images: {err})"
+    return GateResult(ours >= theirs - tolerance, ours, theirs, best.run_id, tolerance, evidence)

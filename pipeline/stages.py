@@ -14,7 +14,8 @@ from pipeline import registry
 from pipeline.config import DEFAULT_CONFIG, Config, apply_overrides, load_config, validate
 from pipeline.errors import PipelineError
 from pipeline.files import read_json
-from pipeline.layout import CONFIG_SNAPSHOT, DATASET
+from pipeline.holdout import Holdout
+from pipeline.layout import CONFIG_SNAPSHOT, DATASET, MODEL_JSON
 from pipeline.manifest import RunDir, Stage, StageResult, create_run_dir
 
 STAGES = ("train", "consolidate", "export", "build", "deploy")
@@ -91,12 +92,15 @@ def nothing_new(cfg: Config, run: RunDir) -> str:
 
 
 def promote(cfg: Config, run: RunDir) -> registry.GateResult:
-    """The champion/challenger gate on validation accuracy, recorded in the manifest under gates.promotion."""
+    """The champion/challenger gate, both exported models scored on the challenger's held-out images; recorded in
+    the manifest under gates.promotion with both numbers and the split's fingerprint."""
     challenger = run.manifest()["stages"]["train"]["metrics"]["val_accuracy"]
+    holdout = Holdout(cfg.data, cfg.run.seed, read_json(run.path / MODEL_JSON)["classes"])
     gate = registry.promotion_gate(
-        challenger, cfg.run.runs_root, cfg.retrain.promotion_tolerance, exclude=run.path.resolve()
+        challenger, cfg.run.runs_root, cfg.retrain.promotion_tolerance, exclude=run.path.resolve(), holdout=holdout
     )
-    run.annotate("gates", "promotion", value={**asdict(gate), "reason": gate.reason})
+    split = {"fingerprint": holdout.fingerprint, "images": holdout.images}
+    run.annotate("gates", "promotion", value={**asdict(gate), "reason": gate.reason, "split": split})
     return gate
 
 

@@ -8,48 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnxruntime as ort
 import torch
-from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+from onnxruntime import InferenceSession
 from torch import nn
 
 from pipeline.errors import PipelineError
 from pipeline.files import first_line
-
-# ORT's error types live in its binary module and share no base class below Exception.
-_ORT_ERRORS = (
-    ort_state.Fail,
-    ort_state.InvalidArgument,
-    ort_state.InvalidGraph,
-    ort_state.InvalidProtobuf,
-    ort_state.NoSuchFile,
-    ort_state.NotImplemented,
-    ort_state.RuntimeException,
-)
-_QUIET = 3  # ORT log severity "error": its warnings about unused initializers are noise here
-
-
-def _session(path: Path, exact: bool = False) -> ort.InferenceSession:
-    """A CPU session; `exact` keeps ORT from fusing Q/DQ pairs into its own int8 kernels (see `variant_accuracy`)."""
-    options = ort.SessionOptions()
-    options.log_severity_level = _QUIET
-    if exact:
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    try:
-        return ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
-    except _ORT_ERRORS as err:
-        raise PipelineError(f"{path}: ONNX Runtime cannot load it: {first_line(err)}") from None
-
-
-def onnx_logits(path: Path, images: np.ndarray, max_batch: int) -> np.ndarray:
-    """Logits of the ONNX file at `path` on CPU for `images` (N, C, H, W), in batches of at most `max_batch`."""
-    session = _session(path)
-    name = session.get_inputs()[0].name
-    try:
-        chunks = [session.run(None, {name: images[i : i + max_batch]})[0] for i in range(0, len(images), max_batch)]
-    except _ORT_ERRORS as err:
-        raise PipelineError(f"{path}: ONNX Runtime cannot run it: {first_line(err)}") from None
-    return np.concatenate(chunks)
+from pipeline.onnx_run import ORT_ERRORS, onnx_logits, session
 
 
 def torch_logits(model: nn.Module, images: torch.Tensor, max_batch: int) -> np.ndarray:
@@ -94,7 +59,7 @@ def variant_accuracy(
     which on AVX2 CPUs without VNNI saturate their 16-bit intermediate sums and lose accuracy that the Q/DQ graph
     (and TensorRT, accumulating in int32) does not lose.
     """
-    sessions = {name: _session(path, exact=True) for name, path in paths.items()}
+    sessions = {name: session(path, exact=True) for name, path in paths.items()}
     correct = dict.fromkeys(paths, 0)
     diff = dict.fromkeys(paths, 0.0)
     seen = 0
@@ -110,10 +75,10 @@ def variant_accuracy(
     }
 
 
-def _run(session: ort.InferenceSession, path: Path, images: np.ndarray) -> np.ndarray:
+def _run(session: InferenceSession, path: Path, images: np.ndarray) -> np.ndarray:
     try:
         return session.run(None, {session.get_inputs()[0].name: images})[0]
-    except _ORT_ERRORS as err:
+    except ORT_ERRORS as err:
         raise PipelineError(f"{path}: ONNX Runtime cannot run it: {first_line(err)}") from None
 
 

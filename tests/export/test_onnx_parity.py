@@ -11,9 +11,10 @@ import torch
 from pipeline import data
 from pipeline.config import Config
 from pipeline.errors import PipelineError
-from pipeline.export.parity import check_parity, onnx_logits, save_sample
+from pipeline.export.parity import check_parity, save_sample
 from pipeline.manifest import RunDir, StageResult
 from pipeline.modelfile import load_model
+from pipeline.onnx_run import onnx_logits
 
 Exported = tuple[RunDir, StageResult, list[str]]
 
