@@ -65,6 +65,7 @@ def record_rollback(root: Path, rows: list[dict[str, Any]]) -> None:
             elif record.release == row.get("current") and record.manifest.get("rolled_back"):
                 RunDir(record.path).annotate("rolled_back", value=None)
 
+
 def list_runs(root: Path) -> list[RunRecord]:
     """Every run under `root`, newest first. A manifest that cannot be read, or is not shaped as the pipeline writes
     it, is skipped with a warning: one bad run directory must not stop listing, gating or retraining the others."""

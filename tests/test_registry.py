@@ -10,9 +10,7 @@ from pipeline.manifest import StageResult, create_run_dir
 from pipeline.registry import champion, list_runs, promotion_gate, record_rollback, trained_with
 
 
-def _fake_run(
-    root: Path, run_id: str, accuracy: float, deployed: bool, data: str = "d1", release: str = "rel"
-) -> Path:
+def _fake_run(root: Path, run_id: str, accuracy: float, deployed: bool, data: str = "d1", release: str = "rel") -> Path:
     cfg = load_config()
     run = create_run_dir(cfg, root / run_id)
     train = StageResult("train", "done", metrics={"val_accuracy": accuracy})
