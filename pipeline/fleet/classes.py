@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from pydantic import ValidationError
+
 from pipeline.config import BuildClass
 from pipeline.errors import PipelineError
 from pipeline.files import first_line
@@ -29,10 +31,18 @@ def from_facts(facts: Facts, target: str) -> BuildClass:
     """The class of a probed device, built on that device (builder "device") at the next build."""
     if not facts.tensorrt:
         raise PipelineError(f"{target}: the probe found no TensorRT package (tensorrt, libnvinfer8/10)")
-    sm = SOCS.get(facts.soc, ("", ""))[1]
-    return BuildClass(
-        name=facts.device_class, tensorrt=facts.tensorrt, sm=sm, l4t=facts.l4t, builder="device", target=target
-    )
+    if facts.soc not in SOCS:
+        raise PipelineError(f"{target}: unknown SoC {facts.soc or '(none)'!r} ({facts.model or 'unknown model'})")
+    sm = SOCS[facts.soc][1]
+    try:
+        return BuildClass(
+            name=facts.device_class, tensorrt=facts.tensorrt, sm=sm, l4t=facts.l4t, builder="device", target=target
+        )
+    except ValidationError as err:  # what a device reports is input too: a version like 10.3.0~rc1
+        field = ".".join(str(part) for part in err.errors()[0]["loc"])
+        raise PipelineError(
+            f"{target}: reports a {field} this pipeline cannot use: {err.errors()[0]['input']!r}"
+        ) from None
 
 
 async def probe_target(target: SshTarget) -> Facts:
@@ -46,7 +56,8 @@ async def probe_target(target: SshTarget) -> Facts:
 
 def from_inventory(inventory: Inventory, log: Callable[[str], None] = print) -> list[BuildClass]:
     """One class per distinct device class in the fleet, built on the first device of that class (inventory
-    order). An unreachable device is left out, with a log line."""
+    order). An unreachable device, or one whose facts name no class this pipeline knows, is left out, with a log
+    line."""
 
     async def probe_all() -> list[Facts | BaseException]:
         return await asyncio.gather(*(probe_target(t) for t in inventory.targets), return_exceptions=True)
@@ -59,6 +70,10 @@ def from_inventory(inventory: Inventory, log: Callable[[str], None] = print) -> 
             continue
         if isinstance(facts, BaseException):
             raise facts
-        klass = from_facts(facts, target.name)
+        try:
+            klass = from_facts(facts, target.name)
+        except PipelineError as err:
+            log(f"[build] {target.name}: left out: {err}")  # reported, not the whole build aborted
+            continue
         classes.setdefault(klass.name, klass)
     return list(classes.values())

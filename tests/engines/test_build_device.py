@@ -99,3 +99,11 @@ def test_an_unreachable_build_device_is_transient(make_run: MakeRun, tmp_path: P
     )
     with pytest.raises(TransientError, match=rf"{ORIN}: build device orin-01 unreachable: "):
         engines.run(cfg, make_run(cfg), **QUIET)
+
+
+def test_a_device_reporting_facts_no_class_can_hold_is_left_out_not_fatal():
+    """A prerelease TensorRT (`10.3.0~rc1`) or an unknown SoC is one line naming the device, never a traceback."""
+    with pytest.raises(PipelineError, match=r"orin-01: reports a \w+ this pipeline cannot use: '.*10\.3\.0~rc1'"):
+        from_facts(Facts(soc="nvidia,tegra234", tensorrt="10.3.0~rc1"), "orin-01")
+    with pytest.raises(PipelineError, match=r"cam-07: unknown SoC 'nvidia,tegra999' \(Jetson Next\)"):
+        from_facts(Facts(model="Jetson Next", soc="nvidia,tegra999", tensorrt="10.3.0"), "cam-07")
