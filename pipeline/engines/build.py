@@ -201,7 +201,7 @@ async def _on_device(ctx: Context, klass: BuildClass, target: SshTarget) -> dict
     except FAILURES as err:
         # Unreachable now may be reachable on the next try: the flow retries TransientError, and only that.
         why = first_line(err, typed=True)
-        raise TransientError(f"{klass.name}: build device {target.name} unreachable: {why}") from None
+        raise TransientError(f"build device {target.name} unreachable: {why}") from None
 
 
 def _target(cfg: Config, klass: BuildClass) -> SshTarget:

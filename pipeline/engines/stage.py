@@ -83,17 +83,18 @@ def declared_classes(cfg: Config, log: Callable[[str], None]) -> list[BuildClass
 def _classes_body(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageResult:
     ctx = _context(cfg, run, log)
     rows: list[dict[str, Any]] = []
-    errors: list[PipelineError] = []
+    errors: dict[str, PipelineError] = {}
     for klass in declared_classes(cfg, log):
         try:
             rows.append(build.build_class(ctx, klass))
         except PipelineError as err:
-            errors.append(err)
+            errors[klass.name] = err
     write_json(run.path / CLASSES, rows)
     if errors:
         # A retry can only cure the stage when every failure was an unreachable build device.
-        kind = TransientError if all(isinstance(e, TransientError) for e in errors) else PipelineError
-        raise kind(f"build: {len(errors)} class(es) failed: {'; '.join(map(str, errors))}")
+        kind = TransientError if all(isinstance(e, TransientError) for e in errors.values()) else PipelineError
+        detail = "; ".join(f"{name}: {err}" for name, err in errors.items())
+        raise kind(f"build: {len(errors)} class(es) failed: {detail}")
     made = [row for row in rows if row["status"] != build.NOT_BUILT]
     metrics = {
         "classes": {row["class"]: row for row in rows},

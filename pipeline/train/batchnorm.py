@@ -38,9 +38,13 @@ def recalibrate(
     batches: int,
     device: torch.device,
     autocast: Autocast,
+    pieces: int = 1,
 ) -> int:
     """Reset every BatchNorm's running statistics and recompute them as the cumulative average over the first
     `batches` batches of `loader`, then average them over all ranks. Returns the images this rank forwarded.
+
+    Each batch goes through in `pieces` chunks, as training splits it into micro-batches: what fits in memory there
+    (after an out-of-memory retry halved it) fits here.
 
     Every rank must call this with the same number of batches (under FSDP each forward is collective); each
     rank's cumulative average is over equally many batches, so the mean over ranks is the average over all of them.
@@ -57,8 +61,9 @@ def recalibrate(
     seen = 0
     try:
         for x, _ in islice(loader, batches):
-            with autocast():
-                model(x.to(device))
+            for chunk in x.chunk(pieces):
+                with autocast():
+                    model(chunk.to(device))
             seen += len(x)
     finally:
         for layer, momentum in zip(layers, momenta, strict=True):

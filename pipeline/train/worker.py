@@ -267,12 +267,15 @@ class Trainer:
         self.plain_sampler.set_epoch(epoch)
         net = strategy.unwrap(self.model)  # not through DDP, which would broadcast rank 0's buffers each forward
         batches = self.cfg.train.bn_recalibration_batches
-        seen = batchnorm.recalibrate(net, self.plain_loader, batches, self.rt.device, self.rt.autocast)
+        pieces = self.thermal.accumulation  # micro-batches as training runs them now
+        seen = batchnorm.recalibrate(net, self.plain_loader, batches, self.rt.device, self.rt.autocast, pieces)
         self.bn_images = seen * self.rt.world_size
 
     def check_modes(self) -> batchnorm.ModeCheck | None:
         """Eval mode against batch statistics on the first batch of each rank's training images; rank 0 warns."""
         x, y = next(iter(self.plain_loader))
+        micro = math.ceil(len(x) / self.thermal.accumulation)  # one micro-batch: what training fits in memory
+        x, y = x[:micro], y[:micro]
         check = batchnorm.check_modes(
             strategy.unwrap(self.model), x.to(self.rt.device), y.to(self.rt.device), self.rt.autocast
         )

@@ -97,7 +97,7 @@ def test_an_unreachable_build_device_is_transient(make_run: MakeRun, tmp_path: P
     cfg = Config(
         build=BuildConfig(classes=[klass], cache_dir=tmp_path / "cache"), deploy=DeployConfig(inventory=inventory)
     )
-    with pytest.raises(TransientError, match=rf"{ORIN}: build device orin-01 unreachable: "):
+    with pytest.raises(TransientError, match=rf"class\(es\) failed: {ORIN}: build device orin-01 unreachable: "):
         engines.run(cfg, make_run(cfg), **QUIET)
 
 

@@ -59,6 +59,7 @@ def test_only_a_checkpoint_of_the_same_data_and_model_is_resumable(tmp_path: Pat
     ours, other = validate({}, "test"), validate({"data": {"image_size": 24}}, "test")
     assert checkpoint.resumable(tmp_path, ours) is None
     meta = {"epoch": 0, "step": 7, "resume_key": checkpoint.resume_key(ours)}
+    dcp.save({"model": {"w": torch.zeros(2)}}, checkpoint_id=tmp_path / "step-7", no_dist=True)
     write_json(tmp_path / "step-7" / checkpoint.TRAINER_JSON, meta)
     checkpoint._point_latest(tmp_path, "step-7")
     longer = validate({"train": {"epochs": 99}}, "test")  # train settings may change on resume
