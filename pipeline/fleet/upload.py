@@ -9,6 +9,7 @@ changed. Used for the code and the checkpoints training sends to its devices.
 
 from __future__ import annotations
 
+import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from pipeline.fleet.names import safe_name
 from pipeline.fleet.ssh import Completed
 
 SUMS = "SHA256SUMS"
+FILE_NAME = re.compile(r"[A-Za-z0-9._-]{1,255}")
 
 
 class Remote(Protocol):
@@ -53,10 +55,11 @@ class Bundle:
 
 
 def bundle(bundle_id: str, files: dict[str, Path]) -> Bundle:
-    """A bundle of `files` (name → local path); names must be safe path components."""
+    """A bundle of `files` (name → local path); names must be single path components (DCP's `__0_0.distcp` and
+    `.metadata` are)."""
     for name in files:
-        if name != SUMS and not name.startswith("."):
-            safe_name(name, "file name")
+        if not FILE_NAME.fullmatch(name) or name in (".", "..", SUMS):
+            raise UploadFailed(f"file name {name!r}: not one plain path component")
     return Bundle(safe_name(bundle_id, "bundle id"), dict(files), {n: sha256_file(p) for n, p in files.items()})
 
 

@@ -56,7 +56,7 @@ def agent_script(run_dir: str, python: str, env: dict[str, str], torchrun: list[
     me = shlex.quote(addr) if addr else "$3"
     return f"""tok={token}
 marked() {{ for p in /proc/[0-9]*; do
-  tr '\\0' '\\n' < "$p/environ" 2>/dev/null | grep -qx "PIPELINE_JOB=$tok" && echo "${{p#/proc/}}"; done; }}
+  {{ tr '\\0' '\\n' < "$p/environ"; }} 2>/dev/null | grep -qx "PIPELINE_JOB=$tok" && echo "${{p#/proc/}}"; done; }}
 stop() {{ kill -s TERM $(marked) 2>/dev/null; n=0
   while [ -n "$(marked)" ] && [ $n -lt 50 ]; do sleep 0.1; n=$((n + 1)); done
   kill -s KILL $(marked) 2>/dev/null; }}

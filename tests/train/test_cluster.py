@@ -194,3 +194,45 @@ def test_ctrl_c_on_the_controller_leaves_nothing_running_on_any_device(
     proc.communicate(timeout=120)
     assert proc.returncode != 0
     assert marked_processes(fleet) == []
+
+
+ELASTIC = ("--set", "train.epochs=4", "--set", "train.nnodes=2:3", "--set", "train.checkpoint_every_steps=10")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["node-2", "node-1"])
+def test_a_device_lost_mid_run_leaves_the_others_training(
+    jetson_fleet, forwarding, tmp_path: Path, victim: str
+) -> None:
+    """The whole stand-in dies (power loss) once the controller holds a checkpoint; the other two finish the run
+    within one point of an uninterrupted one, and summary.json says who left and what it cost."""
+    fleet = start_cluster(jetson_fleet, 3)
+    inv = inventory(fleet)
+    straight = run_cli(
+        "train", "--inventory", str(inv), "--run-dir", str(tmp_path / "straight"), *ELASTIC, cwd=tmp_path
+    )
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    run_dir = tmp_path / "killed"
+    proc = subprocess.Popen(
+        pipeline_cmd("train", "--inventory", str(inv), "--run-dir", str(run_dir), *ELASTIC),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 300
+    while not (run_dir / layout.LATEST).is_symlink() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    killed_at = time.time()
+    fleet[victim].kill()
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, output[-4000:]
+    summary = read_json(run_dir / layout.SUMMARY)
+    reference = read_json(tmp_path / "straight" / layout.SUMMARY)
+    assert abs(summary["val_accuracy"] - reference["val_accuracy"]) <= 0.01, (summary, reference)
+    assert summary["world_size"] == 2 and victim not in summary["nodes"] and summary["rounds"] == 2
+    (left,) = summary["events"]
+    assert left["event"] == "left" and left["node"] == victim and left["time"] >= killed_at
+    assert left["steps_lost"] == left["at_step"] - left["resumed_step"] >= 0
+    assert json.loads((run_dir / layout.METRICS).read_text().splitlines()[-1])["event"] == "left"
+    assert marked_processes(fleet) == []
