@@ -29,7 +29,9 @@ app = typer.Typer(
 )
 deploy_app = typer.Typer(help="Release models to targets, inspect them, roll back.", no_args_is_help=True)
 runs_app = typer.Typer(help="Inspect past runs.", no_args_is_help=True)
+cluster_app = typer.Typer(help="Devices that train together over SSH.", no_args_is_help=True)
 app.add_typer(deploy_app, name="deploy")
+app.add_typer(cluster_app, name="cluster")
 app.add_typer(runs_app, name="runs")
 console = Console()
 err_console = Console(stderr=True)  # what --json moves off stdout: progress lines, paths
@@ -136,11 +138,17 @@ def train(
     local_addr: Annotated[
         str | None, typer.Option(help="This node's address as the others reach it (default: from its hostname).")
     ] = None,
+    inventory: Annotated[
+        Path | None,
+        typer.Option("--inventory", "-i", help="Train on these devices over SSH (sets train.inventory)."),
+    ] = None,
 ) -> None:
-    """Distributed training with torchrun; writes train/ in the run directory."""
+    """Distributed training with torchrun; writes train/ in the run directory. With --inventory, on the
+    inventory's devices, started from here over SSH."""
     from pipeline.train import run as train_stage
 
-    cfg, rd = open_run(config, run_dir, set_)
+    with_inventory = [f"train.inventory={json.dumps(str(inventory.absolute()))}"] if inventory else []
+    cfg, rd = open_run(config, run_dir, [*(set_ or []), *with_inventory] or None)
     train_stage(
         cfg,
         rd,
@@ -312,6 +320,44 @@ def _exit_if(rows: list[dict], ok: tuple[str, ...]) -> None:
     """Exit 1 when any device's row is not in an `ok` status (the rows printed say why)."""
     if any(row["status"] not in ok for row in rows):
         raise typer.Exit(1)
+
+
+CLUSTER_COLUMNS = (
+    Col("target"),
+    Col("status"),
+    Col("python"),
+    Col("torch"),
+    Col("cuda", optional=True),
+    Col("gpu", text=True, optional=True),
+    Col("mem_free", "mem free", optional=True, justify="right"),
+    Col("disk_free", "disk free", optional=True, justify="right"),
+    Col("code"),
+    *(Col(key, wide=True) for key in ("power_mode", "gpu_mhz", "cpu0_mhz", "missing", "install", "bytes_sent")),
+    Col("reason", text=True, below=True),
+)
+
+
+@cluster_app.command("check")
+def cluster_check(
+    inventory: Annotated[Path | None, typer.Option("--inventory", "-i", help="Devices (or train.inventory).")] = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    wide: WideOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Check every device for training: Python, torch, CUDA, GPU, free memory and disk, power mode and clocks,
+    missing packages (with the command that installs them) and the code version, which it ships to them first.
+    Exits 2, naming the first device that cannot train, when any cannot."""
+    from pipeline.config import load_config
+    from pipeline.fleet.inventory import load_inventory
+    from pipeline.train import cluster
+
+    path = inventory or load_config(config, set_).train.inventory
+    if path is None:
+        raise PipelineError("cluster check: needs --inventory (or train.inventory in the config)")
+    nodes = cluster.check(load_inventory(path))
+    print_rows(console, [node.row() for node in nodes], CLUSTER_COLUMNS, wide=wide, as_json=as_json)
+    cluster.refuse_unready(nodes)
 
 
 RUN_COLUMNS = (

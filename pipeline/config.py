@@ -176,6 +176,12 @@ class TrainConfig(Section):
     """Newest epoch checkpoints kept on disk; older ones are deleted once a newer one is complete."""
     timeout_s: int = Field(3600, ge=10, le=30 * 86400)
     """Wall-clock limit for the whole torchrun job; the process group is killed past it."""
+    inventory: Path | None = None
+    """Fleet inventory TOML of the devices to train on over SSH (one torchrun agent per target, with the target's
+    `python`, `nproc_per_node`, `ifname` and `addr`); unset: train on this machine."""
+    nnodes: str | None = Field(None, pattern=r"^[1-9][0-9]*(:[1-9][0-9]*)?$")
+    """With `inventory`: devices the job needs, "N" or "MIN:MAX"; training goes on while at least MIN remain, and
+    a device that comes back rejoins up to MAX. Unset: every device of the inventory, none may leave."""
 
     @model_validator(mode="after")
     def _compatible(self) -> TrainConfig:

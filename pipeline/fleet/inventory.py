@@ -52,6 +52,18 @@ class SshTarget(_Strict):
     after the switch. "" = load the engine (trtexec) or run the model (python3 + onnxruntime) or check the files."""
     tags: list[str] = Field(default_factory=list)
     """Free-form labels (not used by the rollout)."""
+    python: str = "/usr/bin/python3"
+    """Training: the interpreter that runs the ranks (Python >= 3.10 with torch >= 2.5; JetPack 6 ships 3.10)."""
+    nproc_per_node: int = Field(1, ge=1, le=1024)
+    """Training: ranks started on this device (one per GPU; a Jetson has one)."""
+    ifname: str = ""
+    """Training: network interface for the collectives (`GLOO_SOCKET_IFNAME`, `NCCL_SOCKET_IFNAME`); "" = let
+    gloo and NCCL pick one from the hostname."""
+    addr: str = ""
+    """Training: the address the other devices reach this one at; "" = the address the controller reached it at."""
+    code: str = "ship"
+    """Training: `ship` uploads the controller's code (verified, deduplicated); a directory on the device holding
+    the `pipeline` and `models` packages runs that copy instead, refused unless it is the controller's version."""
 
     @field_validator("name")
     @classmethod
@@ -74,6 +86,20 @@ class SshTarget(_Strict):
         if not root.startswith("/") or ".." in root.split("/") or any(c in root for c in "'\"\\$`\n"):
             raise ValueError(f"{root!r} must be an absolute path without '..' or quotes")
         return root.rstrip("/") or "/"
+
+    @field_validator("ifname", "addr")
+    @classmethod
+    def _plain(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9._:-]*", value):
+            raise ValueError(f"{value!r} may hold only letters, digits, '.', '_', ':' and '-'")
+        return value
+
+    @field_validator("python", "code")
+    @classmethod
+    def _no_quotes(cls, value: str) -> str:
+        if not value or any(c in value for c in "'\"\\$`\n "):
+            raise ValueError(f"{value!r} must be non-empty, without quotes, spaces or '$'")
+        return value
 
     @field_validator("key", "known_hosts")
     @classmethod

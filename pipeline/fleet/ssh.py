@@ -101,6 +101,19 @@ class Device:
         status = result.exit_status if result.exit_status is not None else 255
         return Completed(status, _text(result.stdout), _text(result.stderr))
 
+    async def start(self, command: str, timeout_s: int) -> asyncssh.SSHClientProcess[str]:
+        """Start `command` under a remote timeout and return at once: its output streams, its stdin stays open."""
+        return await self.conn.create_process(remote_command(command, timeout_s), encoding="utf-8", errors="replace")
+
+    async def get(self, remote: str, local: Path) -> int:
+        """Download one file to `local` (via `local`.tmp, renamed when whole); returns its size."""
+        if self._sftp is None:
+            self._sftp = await self.conn.start_sftp_client()
+        tmp = local.with_name(f"{local.name}.tmp")
+        await self._sftp.get(remote, str(tmp))
+        tmp.replace(local)
+        return local.stat().st_size
+
     async def put(self, local: Path, remote: str) -> int:
         """Upload one file (to `remote`.tmp, then renamed, so a name in place is a whole upload); returns bytes."""
         if self._sftp is None:

@@ -75,7 +75,13 @@ def run(
         return StageResult("train", "done", reason=f"node {node_rank} of {nnodes}: node 0 records the run")
 
     def body() -> StageResult:
-        train_here()
+        if cfg.train.inventory is not None:
+            from pipeline.train import rounds  # asyncssh and the fleet: only for cluster training
+
+            run.save_config(cfg)  # what every device is sent
+            rounds.launch(cfg, run.path, output)
+        else:
+            train_here()
         summary = read_json(run.path / layout.SUMMARY)
         return StageResult("train", "done", dict(STAGE.outputs), {k: summary[k] for k in SUMMARY_METRICS})
 

@@ -78,7 +78,7 @@ def resumable(root: Path, cfg: Config) -> Path | None:
     return found
 
 
-def _point_latest(root: Path, name: str) -> None:
+def point_latest(root: Path, name: str) -> None:
     """Repoint `latest` with one rename, so a reader sees the old or the new checkpoint, never neither."""
     tmp = root / f".{LATEST}.{os.getpid()}.tmp"
     tmp.unlink(missing_ok=True)
@@ -182,7 +182,7 @@ class Checkpointer:
         written.result()
         if dist.get_rank() == 0:
             write_json(target / TRAINER_JSON, meta)
-            _point_latest(self.root, target.name)
+            point_latest(self.root, target.name)
             prune(self.root, self.keep)
 
 

@@ -273,6 +273,7 @@ Subsystem sftp internal-sftp
             "TARGET_DIR": str(self.dir),
             "TARGET_HOSTNAME": self.spec.hostname or self.spec.name,
             "DEPLOY_ROOT": self.spec.deploy_root,
+            "HOST_DIRS": "\n".join(self.spec.host_dirs),
             "STANDIN_TOOL": str(self._fleet.standin_tool),
             "SSHD": tool("sshd"),
         }

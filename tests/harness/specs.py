@@ -71,6 +71,9 @@ class TargetSpec:
     """Thermal zones in order (thermal_zone0, 1, ...): type -> degrees Celsius."""
     in_known_hosts: bool = True
     """False leaves this device's host key out of the fleet's known_hosts (unknown-host-key tests)."""
+    host_dirs: tuple[str, ...] = ()
+    """Host directories the device sees read-only although its fresh /root, /tmp, ... would hide them: e.g. the
+    prefix of an interpreter under /root (pyenv), so that the device can run the controller's Python."""
     network: bool = False
     """True: the device gets its own network namespace and a veth link to the host (see :mod:`.network`), and is
     reached at a 10.213.x.y address on port 22; its link can then be shaped and cut. False: 127.0.0.1:<free port>."""

@@ -12,6 +12,15 @@ hostname "$TARGET_HOSTNAME"
 # without touching the host's /etc. The upper layer (host dir) survives a restart, as a device's /etc does.
 mount -t overlay overlay -o "lowerdir=/etc,upperdir=$D/etc/upper,workdir=$D/etc/work" /etc
 
+# HOST_DIRS: one per line, no spaces in them.
+HOST_DIRS=${HOST_DIRS:-}
+i=0
+for dir in $HOST_DIRS; do
+    mkdir -p "$D/hostdirs/$i"
+    mount --bind "$dir" "$D/hostdirs/$i"
+    i=$((i + 1))
+done
+
 # Fresh /run (sshd's privilege-separation dir lives there), /root and /var/log, as after a boot.
 mount -t tmpfs -o mode=755 tmpfs /run
 mkdir -m 755 /run/sshd /run/standin
@@ -46,6 +55,16 @@ mount --bind "$D/thermal" /sys/class/thermal
 mount -t tmpfs -o mode=755 tmpfs "$(dirname "$DEPLOY_ROOT")"
 mkdir "$DEPLOY_ROOT"
 mount --bind "$D/disk" "$DEPLOY_ROOT"
+
+# Host directories the test maps in (read-only) although the fresh tmpfs above hide them, e.g. a Python under /root:
+# held at $D/hostdirs/N (bound before the tmpfs went over them), then bound into place.
+i=0
+for dir in $HOST_DIRS; do
+    mkdir -p "$dir"
+    mount --bind "$D/hostdirs/$i" "$dir"
+    mount -o remount,bind,ro "$dir"
+    i=$((i + 1))
+done
 
 # Last: a fresh /tmp hides the host's, where $D may live (the bind mounts above already hold their sources).
 mount -t tmpfs -o mode=1777 tmpfs /tmp
