@@ -16,12 +16,10 @@ SYSTEM_PKGS := $(JETSON_PKGS) $(BROWSER_PKGS) $(PHOTO_PKGS)
 
 .PHONY: demo test test-all lint system-deps clean
 
-# compat: the editable install puts the repo on sys.path. The default finder loses `models` to the namespace
-# package that onnxruntime.transformers appends to sys.path (it has a `models/` directory without __init__.py).
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]' --config-settings editable_mode=compat
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	@rm -f $(VENV)/.installed-* && touch $@
 
 demo: $(STAMP)
