@@ -28,6 +28,7 @@ demo: $(STAMP)
 test: $(STAMP) system-deps
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+	$(BIN)/vermin -q --target=3.6- --no-tips --violations pipeline/fleet/devicecheck.py  # runs on any device Python
 	$(BIN)/pytest -m "not slow"
 
 test-all: $(STAMP) system-deps

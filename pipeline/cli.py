@@ -71,6 +71,9 @@ ExistingRunDir = Annotated[Path, typer.Option("--run-dir", help="Run directory m
 SetOpt = Annotated[
     list[str] | None, typer.Option("--set", help="Override a config key: section.key=value (value read as TOML).")
 ]
+InventoryOpt = Annotated[
+    Path | None, typer.Option("--inventory", "-i", help="Fleet inventory TOML (SSH devices); sets deploy.inventory.")
+]
 WideOpt = Annotated[bool, typer.Option("--wide", "-w", help="Show every column, none shortened.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the rows as JSON (every column), nothing else.")]
 
@@ -186,11 +189,6 @@ def build_command(
     overrides = _with_inventory(set_, inventory) + (["build.from_inventory=true"] if inventory else [])
     cfg, rd = _stage_config(config, run_dir, overrides)
     run_one("build", cfg, rd, log=log)
-
-
-InventoryOpt = Annotated[
-    Path | None, typer.Option("--inventory", "-i", help="Fleet inventory TOML (SSH devices); sets deploy.inventory.")
-]
 
 
 def _with_inventory(overrides: list[str] | None, inventory: Path | None) -> list[str]:
