@@ -27,8 +27,8 @@ MAX_IMAGES = 2048
 class Holdout:
     """The challenger's validation split, as a scorer of run directories."""
 
-    def __init__(self, cfg: DataConfig, seed: int, classes: list[str]) -> None:
-        self.cfg, self.seed, self.classes = cfg, seed, classes
+    def __init__(self, cfg: DataConfig, seed: int, challenger: Path) -> None:
+        self.cfg, self.seed, self.challenger = cfg, seed, challenger
         self.images = 0
         identity = {"data": data.fingerprint(cfg), "seed": seed, "val_fraction": cfg.val_fraction}
         self.fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
@@ -40,7 +40,7 @@ class Holdout:
         if not onnx.is_file():
             raise PipelineError(f"{onnx} is missing")
         meta = read_json(meta_path)
-        if meta.get("classes") != self.classes:
+        if meta.get("classes") != read_json(self.challenger / MODEL_JSON).get("classes"):
             raise PipelineError(f"{meta_path}: other classes than the challenger's")
         spec = meta["input"]
         sized = self.cfg.model_copy(update={"image_size": int(spec["height"])})

@@ -15,7 +15,7 @@ from pipeline.config import DEFAULT_CONFIG, Config, apply_overrides, load_config
 from pipeline.errors import PipelineError
 from pipeline.files import read_json
 from pipeline.holdout import Holdout
-from pipeline.layout import CONFIG_SNAPSHOT, DATASET, MODEL_JSON
+from pipeline.layout import CONFIG_SNAPSHOT, DATASET
 from pipeline.manifest import RunDir, Stage, StageResult, create_run_dir
 
 STAGES = ("train", "consolidate", "export", "build", "deploy")
@@ -95,7 +95,7 @@ def promote(cfg: Config, run: RunDir) -> registry.GateResult:
     """The champion/challenger gate, both exported models scored on the challenger's held-out images; recorded in
     the manifest under gates.promotion with both numbers and the split's fingerprint."""
     challenger = run.manifest()["stages"]["train"]["metrics"]["val_accuracy"]
-    holdout = Holdout(cfg.data, cfg.run.seed, read_json(run.path / MODEL_JSON)["classes"])
+    holdout = Holdout(cfg.data, cfg.run.seed, run.path)
     gate = registry.promotion_gate(
         challenger, cfg.run.runs_root, cfg.retrain.promotion_tolerance, exclude=run.path.resolve(), holdout=holdout
     )
