@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shlex
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -27,17 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import BuildClass, Config
-from pipeline.engines import cache, engine_job, python_api
-from pipeline.engines.built import Built
+from pipeline.engines import python_api
 from pipeline.engines.detect import Choice, Host, probe_host
-from pipeline.engines.engine_job import Job
-from pipeline.engines.flags import Options
-from pipeline.engines.flags import plan as onnx_plan
-from pipeline.engines.profile import Profile
-from pipeline.engines.runners import Local, Remote
-from pipeline.engines.verify import same_version
 from pipeline.errors import PipelineError
-from pipeline.files import atomic_path, publish, read_json, sha256_file, write_json
+from pipeline.files import atomic_path, publish, read_json, write_json
 from pipeline.fleet.classes import device_class
 from pipeline.fleet.inventory import SshTarget, load_inventory
 from pipeline.fleet.probe import SOCS, parse_facts, probe_script
@@ -45,6 +37,13 @@ from pipeline.fleet.ssh import FAILURES, Device, HostKeyRefused
 from pipeline.host import python_api_problem
 from pipeline.layout import BUILD_INFO, ENGINES, PLAN, SAMPLE, engine_dir
 from pipeline.manifest import RunDir
+from pipeline.trt import cache, engine_job
+from pipeline.trt.built import Built
+from pipeline.trt.engine_job import Job
+from pipeline.trt.flags import Options, options_for
+from pipeline.trt.profile import Profile
+from pipeline.trt.runners import Local, Remote
+from pipeline.trt.verify import same_version
 
 NOT_BUILT = "not built"
 FAILED_LOG = "build-failed.log"
@@ -67,25 +66,6 @@ class Context:
     def engines(self) -> Path:
         """engines/ of the run."""
         return self.run.path / ENGINES
-
-
-def options_for(cfg: Config, klass: BuildClass) -> Options:
-    """The class's builder options: its own values, else the build section's."""
-    workspace = klass.workspace_mb or cfg.build.workspace_mb
-    opt_level = klass.opt_level if klass.opt_level is not None else cfg.build.opt_level
-    return Options(cfg.build.precision, workspace, opt_level, klass.dla_core)
-
-
-def key_parts(ctx: Context, klass: BuildClass, version: str, options: Options) -> dict[str, Any]:
-    """What the engine depends on: the engine cache key."""
-    onnx = ctx.run.path / onnx_plan(version, options, ctx.run.path).onnx
-    return {
-        "onnx_sha256": sha256_file(onnx),
-        "tensorrt": version,
-        "class": klass.name,
-        "shapes": ctx.profile.to_dict(),
-        **options.key(),
-    }
 
 
 def build_class(ctx: Context, klass: BuildClass) -> dict[str, Any]:
@@ -139,7 +119,7 @@ def _here(
     ctx: Context, klass: BuildClass, version: str, exe: str | None, named_by_build: bool = False
 ) -> dict[str, Any]:
     """Build with trtexec `exe` here, or the Python API when `exe` is None; `version` is the builder's TensorRT."""
-    options = options_for(ctx.cfg, klass)
+    options = options_for(ctx.cfg.build, klass)
     hit = _reuse(ctx, klass, version, options)
     if hit is not None:
         return hit
@@ -174,7 +154,7 @@ def _named_by(klass: BuildClass, built: Built) -> BuildClass:
 
 
 async def _on_device(ctx: Context, klass: BuildClass, target: SshTarget) -> dict[str, Any]:
-    options = options_for(ctx.cfg, klass)
+    options = options_for(ctx.cfg.build, klass)
     try:
         async with Device(target, command_timeout_s=ctx.cfg.build.timeout_s) as device:
             facts = parse_facts((await device.run(probe_script(target.root), timeout_s=30)).stdout)
@@ -219,7 +199,7 @@ def _job(ctx: Context, klass: BuildClass, workdir: Path, version: str, options: 
 
 def _reuse(ctx: Context, klass: BuildClass, version: str, options: Options) -> dict[str, Any] | None:
     """Copy the cached engine in when the key matches; None on a miss."""
-    key = cache.engine_key(key_parts(ctx, klass, version, options))
+    key = cache.engine_key(cache.key_parts(ctx.run.path, klass.name, version, options, ctx.profile))
     entry = cache.lookup(ctx.cfg.build.cache_dir, klass.name, key)
     if entry is None:
         return None
@@ -282,7 +262,7 @@ def _publish(
     ctx: Context, klass: BuildClass, job: Job, built: Built, checks: dict[str, Any], seconds: float
 ) -> dict[str, Any]:
     """Store the verified engine in the engine cache and move it into engines/<class>/ (build.json last)."""
-    info = _build_info(ctx, klass, job, built, checks, seconds)
+    info = engine_job.build_info(job, klass, built, checks, seconds)
     write_json(job.staging / BUILD_INFO, info)
     files = {PLAN: job.staging / PLAN, BUILD_INFO: job.staging / BUILD_INFO}
     cache.store(ctx.cfg.build.cache_dir, klass.name, info["cache_key"], files)
@@ -296,38 +276,6 @@ def _publish(
     write_json(dest / BUILD_INFO, info)
     ctx.log(f"[build] {klass.name}: built ({(dest / PLAN).stat().st_size / 1e6:.2f} MB), cache miss")
     return _row(info, "built")
-
-
-def _build_info(
-    ctx: Context, klass: BuildClass, job: Job, built: Built, checks: dict[str, Any], seconds: float
-) -> dict[str, Any]:
-    """build.json of a freshly built engine (the engine cache adds `cache` when it publishes it)."""
-    key_dict = key_parts(ctx, klass, job.version, job.options)
-    return {
-        "class": klass.name,
-        "builder": klass.builder,
-        "target": klass.target or None,
-        "tensorrt_version": built.tensorrt_version or job.version,
-        "sm": klass.sm or built.sm,
-        "l4t": klass.l4t or None,
-        "precision": job.options.precision,
-        "onnx": built.onnx,
-        "precision_flags": built.precision_flags,
-        "fp16_flag": built.fp16,
-        "workspace_mb": job.options.workspace_mb,
-        "opt_level": job.options.opt_level,
-        "dla_core": job.options.dla_core,
-        "input": ctx.profile.name,
-        "shapes": ctx.profile.to_dict(),
-        "command": shlex.join(built.command) if built.command else None,
-        "notes": built.notes,
-        "seconds": round(seconds, 3),
-        "onnx_sha256": key_dict["onnx_sha256"],
-        "engine_sha256": sha256_file(job.staging / PLAN),
-        "cache_key": cache.engine_key(key_dict),
-        "verification": checks,
-        "latency": checks.get("latency", {}),
-    }
 
 
 def _row(info: dict[str, Any], status: str) -> dict[str, Any]:

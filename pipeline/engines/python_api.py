@@ -6,13 +6,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline.engines import flags
-from pipeline.engines.built import Built
-from pipeline.engines.flags import Options
-from pipeline.engines.profile import Profile
 from pipeline.errors import PipelineError
 from pipeline.host import local_sm
 from pipeline.layout import PLAN
+from pipeline.trt import flags
+from pipeline.trt.built import Built
+from pipeline.trt.flags import Options
+from pipeline.trt.profile import Profile
 
 
 def tensorrt_version() -> str:

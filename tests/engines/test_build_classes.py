@@ -13,10 +13,10 @@ import pytest
 
 from pipeline import engines
 from pipeline.config import BuildClass, BuildConfig, Config, ExportConfig
-from pipeline.engines import verify
 from pipeline.errors import PipelineError
 from pipeline.host import python_api_problem
 from pipeline.manifest import RunDir
+from pipeline.trt import verify
 from tests.engines.standins import StandinTrtexec
 
 MakeRun = Callable[[Config], RunDir]

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.engines import flags
-from pipeline.engines.flags import Options
-from pipeline.engines.profile import Profile
 from pipeline.errors import PipelineError
+from pipeline.trt import flags
+from pipeline.trt.flags import Options
+from pipeline.trt.profile import Profile
 
 PROFILE = Profile((1, 16, 16), opt=8, max=32)
 

@@ -17,10 +17,10 @@ import pytest
 from pipeline import engines
 from pipeline.config import BuildConfig, Config
 from pipeline.engines import detect, python_api
-from pipeline.engines.flags import Options
-from pipeline.engines.profile import Profile
 from pipeline.errors import PipelineError
 from pipeline.manifest import RunDir
+from pipeline.trt.flags import Options
+from pipeline.trt.profile import Profile
 
 
 def standin_tensorrt(version: str, parse_ok: bool = True) -> tuple[types.ModuleType, dict[str, Any]]:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.engines import trtexec
 from pipeline.errors import PipelineError
+from pipeline.trt import trtexec
 
 
 @pytest.mark.parametrize(

@@ -7,19 +7,21 @@ verify it there: plan version, a load on the export stage's sample, agreement wi
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.engines import flags, verify
-from pipeline.engines.built import Built
-from pipeline.engines.flags import Options
-from pipeline.engines.profile import Profile
-from pipeline.engines.runners import Runner
-from pipeline.engines.trtexec import last_error, parse_sm, parse_version
+from pipeline.config import BuildClass
 from pipeline.errors import PipelineError
 from pipeline.files import sha256_file
 from pipeline.layout import PLAN, SAMPLE
+from pipeline.trt import cache, flags, verify
+from pipeline.trt.built import Built
+from pipeline.trt.flags import Options
+from pipeline.trt.profile import Profile
+from pipeline.trt.runners import Runner
+from pipeline.trt.trtexec import last_error, parse_sm, parse_version
 
 CACHE = "timing.cache"
 LOG = "trtexec.log"
@@ -110,3 +112,34 @@ async def _outputs(runner: Runner, job: Job, expected: Any) -> dict[str, Any]:
             f"build: {job.klass}: engine disagrees with ONNX Runtime on onnx/sample.npz: {verdict['reason']}"
         )
     return {"checked": True, **verdict}
+
+
+def build_info(job: Job, klass: BuildClass, built: Built, checks: dict[str, Any], seconds: float) -> dict[str, Any]:
+    """build.json of a freshly built engine: one set of fields wherever it was built (the engine cache adds `cache`
+    when it publishes it)."""
+    key_dict = cache.key_parts(job.run_path, klass.name, job.version, job.options, job.profile)
+    return {
+        "class": klass.name,
+        "builder": klass.builder,
+        "target": klass.target or None,
+        "tensorrt_version": built.tensorrt_version or job.version,
+        "sm": klass.sm or built.sm,
+        "l4t": klass.l4t or None,
+        "precision": job.options.precision,
+        "onnx": built.onnx,
+        "precision_flags": built.precision_flags,
+        "fp16_flag": built.fp16,
+        "workspace_mb": job.options.workspace_mb,
+        "opt_level": job.options.opt_level,
+        "dla_core": job.options.dla_core,
+        "input": job.profile.name,
+        "shapes": job.profile.to_dict(),
+        "command": shlex.join(built.command) if built.command else None,
+        "notes": built.notes,
+        "seconds": round(seconds, 3),
+        "onnx_sha256": key_dict["onnx_sha256"],
+        "engine_sha256": sha256_file(job.staging / PLAN),
+        "cache_key": cache.engine_key(key_dict),
+        "verification": checks,
+        "latency": checks.get("latency", {}),
+    }

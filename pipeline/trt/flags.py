@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.engines.profile import Profile
+from pipeline.config import BuildClass, BuildConfig
 from pipeline.errors import PipelineError
 from pipeline.layout import onnx_path
+from pipeline.trt.profile import Profile
 
 
 def version_tuple(version: str | None) -> tuple[int, int]:
@@ -41,6 +42,13 @@ class Options:
             "opt_level": self.opt_level,
             "dla_core": self.dla_core,
         }
+
+
+def options_for(build: BuildConfig, klass: BuildClass) -> Options:
+    """The class's builder options: its own values, else the build section's."""
+    workspace = klass.workspace_mb or build.workspace_mb
+    opt_level = klass.opt_level if klass.opt_level is not None else build.opt_level
+    return Options(build.precision, workspace, opt_level, klass.dla_core)
 
 
 @dataclass(frozen=True)

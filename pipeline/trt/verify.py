@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.engines.flags import version_tuple
-from pipeline.engines.profile import Profile
+from pipeline.trt.flags import version_tuple
+from pipeline.trt.profile import Profile
 
 PLAN_VERSION_SINCE = (10, 0)
 TOLERANCE = {"fp32": 1e-3, "fp16": 1e-2}

@@ -15,10 +15,10 @@ from typing import Protocol
 
 import asyncssh
 
-from pipeline.engines.trtexec import run_logged
 from pipeline.errors import PipelineError
 from pipeline.files import sha256_file
 from pipeline.fleet.ssh import FAILURES, Device
+from pipeline.trt.trtexec import run_logged
 
 TIMEOUT_STATUS = 124
 """Exit status of `timeout` (coreutils) when it stopped the command."""
