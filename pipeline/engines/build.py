@@ -164,7 +164,7 @@ async def _on_device(ctx: Context, klass: BuildClass, target: SshTarget) -> dict
             if hit is not None:
                 return hit
             with _staging(ctx, klass) as workdir:
-                job = _job(ctx, klass, workdir, version, options)
+                job = _job(ctx, klass, workdir, version, options, facts.jetpack)
                 runner = Remote(device, klass.device_trtexec, f"/tmp/edge-build-{os.getpid()}-{klass.name}")
                 await runner.open()
                 try:
@@ -190,11 +190,11 @@ def _target(cfg: Config, klass: BuildClass) -> SshTarget:
     raise PipelineError(f"build.classes: {klass.name}: target {klass.target!r} is not in {cfg.deploy.inventory}")
 
 
-def _job(ctx: Context, klass: BuildClass, workdir: Path, version: str, options: Options) -> Job:
+def _job(ctx: Context, klass: BuildClass, workdir: Path, version: str, options: Options, jetpack: str = "") -> Job:
     seed = cache.timing_cache(ctx.cfg.build.cache_dir, klass.name)
     if seed.is_file():
         shutil.copyfile(seed, workdir / engine_job.CACHE)
-    return Job(klass.name, ctx.run.path, workdir, ctx.profile, options, version, ctx.cfg.build.timeout_s)
+    return Job(klass.name, ctx.run.path, workdir, ctx.profile, options, version, ctx.cfg.build.timeout_s, jetpack)
 
 
 def _reuse(ctx: Context, klass: BuildClass, version: str, options: Options) -> dict[str, Any] | None:

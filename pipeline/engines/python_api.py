@@ -62,15 +62,14 @@ def build(
         raise PipelineError(f"{onnx}: TensorRT {version} failed to build an engine (see its log above)")
     (staging / PLAN).write_bytes(bytes(serialized))
     cache_path.write_bytes(bytes(config.get_timing_cache().serialize()))
-    fp16 = "FP16" in wanted["builder"]
-    return Built(version, local_sm(), fp16, None, chosen.onnx, wanted["builder"], notes)
+    return Built(version, local_sm(), chosen.precision, None, chosen.onnx, wanted["builder"], notes)
 
 
 def _set_levels(trt: Any, config: Any, version: str, options: Options) -> list[str]:
     """Optimisation level and DLA core; returns notes on what this version lacks."""
     notes = []
     if options.opt_level is not None:
-        if flags.version_tuple(version) >= (8, 6):
+        if flags.version_tuple(version) >= flags.OPT_LEVEL_SINCE:
             config.builder_optimization_level = options.opt_level
         else:
             notes.append(f"builder_optimization_level {options.opt_level} ignored: TensorRT {version} predates 8.6")

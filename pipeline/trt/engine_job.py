@@ -40,11 +40,13 @@ class Job:
     version: str
     """TensorRT version of the builder ("" when unknown: the plan version is then not checked)."""
     timeout_s: int
+    jetpack: str = ""
+    """JetPack of the device that builds ("" when unknown or not a device): DLA depends on it."""
 
 
 async def build(runner: Runner, job: Job) -> Built:
     """Build on `runner`; the engine, timing cache and log end up in `job.staging`."""
-    chosen = flags.plan(job.version, job.options, job.run_path)
+    chosen = flags.plan(job.version, job.options, job.run_path, job.jetpack)
     args, notes = flags.trtexec_args(job.version, chosen, job.options, job.profile)
     await runner.put(job.run_path / chosen.onnx, "model.onnx")
     if (job.staging / CACHE).is_file():
@@ -60,9 +62,9 @@ async def build(runner: Runner, job: Job) -> Built:
     if sha256_file(job.staging / PLAN) != expected:
         raise PipelineError(f"build: the engine fetched from {runner.where} does not match its sha256 there")
     await runner.get(CACHE, job.staging / CACHE)
-    fp16 = "--fp16" in chosen.precision_flags
     version = parse_version(output) or job.version
-    return Built(version, parse_sm(output), fp16, [runner.exe, *args], chosen.onnx, chosen.precision_flags, notes)
+    command = [runner.exe, *args]
+    return Built(version, parse_sm(output), chosen.precision, command, chosen.onnx, chosen.precision_flags, notes)
 
 
 async def check(runner: Runner, job: Job, sample: Path | None) -> dict[str, Any]:
@@ -125,10 +127,9 @@ def build_info(job: Job, klass: BuildClass, built: Built, checks: dict[str, Any]
         "tensorrt_version": built.tensorrt_version or job.version,
         "sm": klass.sm or built.sm,
         "l4t": klass.l4t or None,
-        "precision": job.options.precision,
+        "precision": built.precision,
         "onnx": built.onnx,
         "precision_flags": built.precision_flags,
-        "fp16_flag": built.fp16,
         "workspace_mb": job.options.workspace_mb,
         "opt_level": job.options.opt_level,
         "dla_core": job.options.dla_core,

@@ -89,6 +89,38 @@ def version_code(version: str) -> str:
     return str(major * (10000 if major >= 10 else 1000) + minor * 100 + patch)
 
 
+OPTIONS_SINCE = {
+    "memPoolSize": (8, 4),
+    "builderOptimizationLevel": (8, 6),
+    "skipInference": (8, 6),
+    "getPlanVersionOnly": (9, 1),
+    "stronglyTyped": (9, 1),
+}
+"""First TensorRT (major, minor) whose trtexec has the option (docs/tensorrt.md#summary-table)."""
+OPTIONS_UNTIL = {"workspace": (10, 0), "buildOnly": (10, 0)} | dict.fromkeys(
+    ("fp16", "int8", "bf16", "fp8", "int4", "best"), (11, 0)
+)
+"""First TensorRT (major, minor) whose trtexec no longer has the option (docs/tensorrt.md#summary-table)."""
+DLA_GAP = ((10, 8, 0), (11, 4, 1))
+"""Releases without DLA (docs/tensorrt.md#dla-cores)."""
+
+
+def refusal(options: dict[str, str], version: str) -> str | None:
+    """The error trtexec `version` stops with for these options (an option it lacks, a DLA core it has none of, a
+    workspace suffix it would misread); None when it takes them all."""
+    have = version_tuple(version)
+    for key in options:
+        if have[:2] < OPTIONS_SINCE.get(key, (0, 0)) or have[:2] >= OPTIONS_UNTIL.get(key, (999, 0)):
+            return f"Unknown option: --{key}"
+    pool = options.get("memPoolSize", "")
+    if pool[-1:].isalpha() and have[:2] < (10, 1):
+        # STAND-IN check: before 10.1 a suffix is ignored (8.x, 9.x) or applied twice (10.0.x), never meant.
+        return f"STAND-IN: --memPoolSize={pool}: TensorRT {version} misreads a unit suffix"
+    if "useDLACore" in options and DLA_GAP[0] <= have[:3] < DLA_GAP[1]:
+        return f"Cannot create DLA engine, {options['useDLACore']} not available"
+    return None
+
+
 def make_plan(version: str, meta: dict[str, Any], size: int) -> bytes:
     """Bytes of a stand-in engine: a plan-like header, a marker, JSON metadata, zero padding up to `size`."""
     header = PLAN_TAG + struct.pack("<I", 0) + bytes(16) + bytes(version_tuple(version))
@@ -136,13 +168,18 @@ def say(level: str, text: str) -> None:
 
 
 def trtexec(argv: list[str]) -> int:
-    """Stand-in trtexec: `--onnx=F --saveEngine=E`, `--loadEngine=E`, `--getPlanVersionOnly`."""
+    """Stand-in trtexec: `--onnx=F --saveEngine=E`, `--loadEngine=E`, `--getPlanVersionOnly`; an option its version
+    lacks fails as trtexec does."""
     knobs = {**TRTEXEC_DEFAULTS, **read_knobs("trtexec.json")}
     version = str(knobs["version"])
     banner = f"TensorRT.trtexec [TensorRT v{version_code(version)}] # {' '.join(argv)}"
     print(f"&&&& RUNNING {banner}", flush=True)
     options = parse_options(argv[1:])
-    if "loadEngine" in options and "saveEngine" in options:
+    refused = refusal(options, version)
+    if refused:
+        say("E", refused)
+        rc = 1
+    elif "loadEngine" in options and "saveEngine" in options:
         say("E", "Incompatible load and save engine options selected")
         rc = 1
     elif "loadEngine" in options:
