@@ -1,8 +1,10 @@
 """Releases: the files one model version needs on a device, checked by a `sha256sum`-format SHA256SUMS.
 
-A release is named `<run-id>-<first 8 hex of the ONNX's sha256>`, staged as `releases/<id>.part/`, verified, and
-only then renamed to `releases/<id>/`: a release directory without `.part` is always complete. What a target is
-offered: `Releases` (a variant per device class) for devices, `HostRelease` (this host's engine or none) for local
+A release is named by its content: `<run-id>-<first 16 hex of the sha256 of its SHA256SUMS>`, and SHA256SUMS lists
+the sha256 of every other file (the engine included), so different bytes never share an id and the same bytes always
+get the same one. It is staged as `releases/<id>.part/`, verified, and only then renamed to `releases/<id>/`: a
+release directory without `.part` is always complete, and never rewritten. What a target is offered: `Releases` (a
+variant per device class, each with its own id) for devices, `HostRelease` (this host's engine or none) for local
 targets.
 """
 
@@ -25,9 +27,13 @@ from pipeline.manifest import RunDir
 SUMS = "SHA256SUMS"
 
 
-def release_id(run_id: str, onnx: Path) -> str:
-    """`<run-id>-<first 8 hex of sha256(onnx)>`: a new model in the same run is a new release."""
-    return safe_name(f"{run_id}-{sha256_file(onnx)[:8]}", "release id (from the run directory name)")
+ID_HEX = 16
+"""Hex digits of the SHA256SUMS digest in a release id: 64 bits, so two contents of one run never collide."""
+
+
+def release_id(run_id: str, sums_sha256: str) -> str:
+    """`<run-id>-<first 16 hex of sha256(SHA256SUMS)>`: the id names every file of the release, not just the model."""
+    return safe_name(f"{run_id}-{sums_sha256[:ID_HEX]}", "release id (from the run directory name)")
 
 
 @dataclass(frozen=True)
@@ -71,7 +77,7 @@ def make_plan(
     write_text(out / SUMS, sums_text(sha256))
     files[SUMS] = out / SUMS
     sha256[SUMS] = sha256_file(out / SUMS)
-    plan = ReleasePlan(release_id(run.path.name, onnx), files, sha256)
+    plan = ReleasePlan(release_id(run.path.name, sha256[SUMS]), files, sha256)
     write_json(out / "plan.json", plan_json(plan))
     return plan
 
@@ -143,12 +149,11 @@ class HostRelease:
 class Releases:
     """The run's release as each device class gets it: with the engine built for that class, or ONNX only.
 
-    All variants share one release id (the model is the same). Each is planned up front, under
+    Each variant has its own id (its files differ). Each is planned up front, under
     `<run>/deploy/releases/<class, or "onnx">/`, so a bad run directory fails before any device is touched.
     """
 
     def __init__(self, run: RunDir, engines: dict[str, tuple[Path, Path]], extra: dict[str, Path]) -> None:
-        self.id = release_id(run.path.name, run.path / ONNX)
         keys: dict[str, tuple[Path, Path] | None] = dict(engines) if engines else {"onnx": None}
         self.variants = {
             key: Release(make_plan(run, engine, extra, out=run.path / DEPLOY_DIR / "releases" / key), engine and key)
@@ -178,8 +183,8 @@ class Releases:
         return facts.device_class
 
     def summary(self) -> dict[str, Any]:
-        """plan.json content: the release id and each variant's files."""
-        return {"release": self.id, "variants": {key: plan_json(r.plan) for key, r in self.variants.items()}}
+        """plan.json content: each variant's release id and files."""
+        return {"variants": {key: plan_json(r.plan) for key, r in self.variants.items()}}
 
 
 Offer = Releases | HostRelease

@@ -49,8 +49,8 @@ class _Step:
     name: str = "connect"
 
 
-def new_result(target: Spot, release_id: str) -> TargetResult:
-    """A target's result row before anything happened."""
+def new_result(target: Spot, release_id: str = "") -> TargetResult:
+    """A target's result row before anything happened (the release is known once the device is probed)."""
     host = f"{target.host}:{target.port}" if isinstance(target, SshTarget) else "local"
     return TargetResult(target=target.name, host=host, root=target.root, release=release_id)
 
@@ -58,7 +58,7 @@ def new_result(target: Spot, release_id: str) -> TargetResult:
 async def deploy(host: Host, offer: Offer, policy: Policy, log: Callable[[str], None] = print) -> TargetResult:
     """Deploy the run's release to the target `host` reaches (entered here); never raises for target-side problems:
     they become the row's status."""
-    row = new_result(host.target, offer.id)
+    row = new_result(host.target)
     started = time.perf_counter()
     step = _Step()
     try:
@@ -104,9 +104,11 @@ async def _deploy(host: Host, offer: Offer, policy: Policy, row: TargetResult, s
     facts = await probe(host)
     row.device_class, row.previous, row.current = offer.device_class(facts), facts.current, facts.current
     release = offer.for_device(facts)
+    row.release = release.id
     step.name = "upload"
     await _prepare(host)
     if not await _installed(host, release):
+        _refuse_live(release, facts)
         _refuse_space(release, facts)
         await _upload(host, release, row)
         step.name = "verify"
@@ -117,6 +119,16 @@ async def _deploy(host: Host, offer: Offer, policy: Policy, row: TargetResult, s
         return
     step.name = "activate"
     await _activate(host, release, policy, row)
+
+
+def _refuse_live(release: Release, facts: Facts) -> None:
+    """A live release is never rewritten: `releases/<id>` is current but does not hold this release whole."""
+    if facts.current == release.id:
+        raise Stop(
+            VERIFY_FAILED,
+            f"releases/{release.id} is live and does not match its SHA256SUMS: a deploy never rewrites the live "
+            "release (roll back, then deploy again)",
+        )
 
 
 def _refuse_space(release: Release, facts: Facts) -> None:
@@ -192,9 +204,10 @@ async def _upload(host: Host, release: Release, row: TargetResult) -> None:
         row.files_sent += 1
 
 
-async def _sums(host: Host, directory: str) -> tuple[Completed, list[str]]:
-    """`sha256sum -c SHA256SUMS` in `directory` on the target: its outcome, and the names that did not match."""
-    out = await host.run(f"cd {shlex.quote(directory)} && sha256sum -c {SUMS}")
+async def _sums(host: Host, directory: str, first: str = "true") -> tuple[Completed, list[str]]:
+    """`sha256sum -c SHA256SUMS` in `directory` on the target (after the command `first`): its outcome, and the names
+    that did not match."""
+    out = await host.run(f"cd {shlex.quote(directory)} && {first} && sha256sum -c {SUMS}")
     return out, [line.rsplit(":", 1)[0] for line in out.stdout.splitlines() if not line.endswith(": OK")]
 
 
@@ -207,23 +220,35 @@ async def verified(host: Host, directory: str) -> str | None:
 
 
 async def _verify(host: Host, release: Release) -> None:
-    """`sha256sum -c` in `.part` on the target; files that fail are removed so the next attempt sends them again."""
+    """`sha256sum -c` in `.part` on the target once the uploads are on disk (`sync`); files that fail are removed so
+    the next attempt sends them again. Then whatever SHA256SUMS does not list (an interrupted upload's `.tmp`, a
+    stale file) is removed, so it is never promoted with the release."""
     part = f"{host.target.root}/releases/{release.id}.part"
-    out, bad = await _sums(host, part)
-    if out.ok:
-        return
-    names = [n for n in bad if n in release.plan.files]
-    if names:
-        await host.run(f"cd {shlex.quote(part)} && rm -f -- {' '.join(shlex.quote(n) for n in names)}")
-    raise Stop(VERIFY_FAILED, f"checksum mismatch on the device: {', '.join(names) or out.tail()}")
+    # fsync each file and the directory (its renames); a `sync` without names where that fails.
+    out, bad = await _sums(host, part, first="{ sync -- . * 2>/dev/null || sync; }")
+    if not out.ok:
+        names = [n for n in bad if n in release.plan.files]
+        if names:
+            await host.run(f"cd {shlex.quote(part)} && rm -f -- {' '.join(shlex.quote(n) for n in names)}")
+        raise Stop(VERIFY_FAILED, f"checksum mismatch on the device: {', '.join(names) or out.tail()}")
+    listed = "|".join(sorted(release.plan.files))  # safe names: nothing a `case` pattern would expand
+    sums = await host.run(
+        f"cd {shlex.quote(part)} && sha256sum {SUMS} && for f in * .[!.]* ..?*; do "
+        f'case "$f" in {listed}) ;; *) [ ! -e "$f" ] || rm -rf -- "$f" ;; esac; done'
+    )
+    if not sums.ok or sums.stdout.split()[:1] != [release.plan.sha256[SUMS]]:
+        raise Stop(VERIFY_FAILED, f"checksum mismatch on the device: {SUMS} ({sums.tail()})")
 
 
 async def _rename(host: Host, release: Release) -> None:
-    """`.part` → `releases/<id>`; a stale directory of the same id (other content) is moved aside first."""
+    """`.part` → `releases/<id>`. A damaged directory of the same id is moved aside first, unless it is live: the
+    live release is never rewritten (the check is repeated here, on the device, right before the rename)."""
     rid = shlex.quote(release.id)
     aside = shlex.quote(f".{release.id}.replaced")
+    live = shlex.quote(f"releases/{release.id}")
     command = (
-        f"cd {_root(host)}/releases && rm -rf {aside} && {{ [ ! -e {rid} ] || mv {rid} {aside}; }} && "
+        f"cd {_root(host)}/releases && rm -rf {aside} && "
+        f'{{ [ ! -e {rid} ] || {{ [ "$(readlink ../current)" != {live} ] && mv {rid} {aside}; }}; }} && '
         f"mv {shlex.quote(release.id + '.part')} {rid} && rm -rf {aside}"
     )
     out = await host.run(command)

@@ -20,7 +20,7 @@ from pipeline.deploy.rollout import rollout, waves
 from pipeline.errors import PipelineError, TransientError
 from pipeline.files import read_json, write_json
 from pipeline.fleet.inventory import Policy, load_inventory
-from pipeline.layout import DEPLOY_PLAN, DEPLOY_RESULTS, MODEL_JSON, ONNX, PLAN, SAMPLE
+from pipeline.layout import DEPLOY_PLAN, DEPLOY_RESULTS, MANIFEST, MODEL_JSON, ONNX, PLAN, SAMPLE
 from pipeline.manifest import RunDir, Stage, StageResult, run_stage
 
 ACTIVATE_SCRIPT = Path(__file__).with_name("activate.sh")
@@ -47,7 +47,7 @@ def recorded_engine(run: RunDir) -> tuple[Path, Path] | None:
     outputs = entry.get("outputs", {})
     if "engine" not in outputs or "build_info" not in outputs:
         return None
-    plan, info = run.path / outputs["engine"], run.path / outputs["build_info"]
+    plan, info = inside(run, outputs["engine"]), inside(run, outputs["build_info"])
     if not plan.is_file():
         raise PipelineError(f"{plan}: the build stage recorded this engine but it is missing (run `pipeline build`)")
     return plan, info
@@ -61,7 +61,7 @@ def recorded_engines(run: RunDir) -> dict[str, tuple[Path, Path]]:
         return {}
     outputs = entry.get("outputs", {})
     engines = {
-        key.removeprefix("engine:"): (run.path / path, run.path / outputs.get(f"build_info:{key[7:]}", ""))
+        key.removeprefix("engine:"): (inside(run, path), inside(run, outputs.get(f"build_info:{key[7:]}", "")))
         for key, path in outputs.items()
         if key.startswith("engine:")
     }
@@ -73,6 +73,14 @@ def recorded_engines(run: RunDir) -> dict[str, tuple[Path, Path]]:
                 f"{plan}: the build stage recorded this engine but it is missing (run `pipeline build`)"
             )
     return engines
+
+
+def inside(run: RunDir, rel: str) -> Path:
+    """`rel` (a path the manifest records) in the run directory; a PipelineError when it leads outside."""
+    path = run.path / rel
+    if not path.resolve().is_relative_to(run.path.resolve()):
+        raise PipelineError(f"{run.path / MANIFEST}: build output {rel!r} is outside the run directory: refused")
+    return path
 
 
 def fleet_releases(run: RunDir) -> Releases:
@@ -110,18 +118,22 @@ def _fleet_body(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageRe
     assert cfg.deploy.inventory is not None
     inventory = load_inventory(cfg.deploy.inventory)
     releases = fleet_releases(run)
-    classes = [k for k, r in releases.variants.items() if r.engine_class]
-    engine_note = f"engines for {', '.join(classes)}" if classes else "ONNX only"
-    size = f"{releases.bytes / 1e6:.2f} MB"
-    log(f"[deploy] release {releases.id} ({size}, {engine_note}) to {len(inventory.targets)} device(s)")
+    for key, variant in releases.variants.items():
+        what = "ONNX only" if variant.engine_class is None else f"engine for {key}"
+        log(f"[deploy] release {variant.id} ({variant.plan.bytes / 1e6:.2f} MB, {what})")
+    log(f"[deploy] to {len(inventory.targets)} device(s)")
     plan = {**releases.summary(), "waves": [[t.name for t in wave] for wave in waves(inventory)]}
     write_json(run.path / DEPLOY_PLAN, plan)
     rows = asyncio.run(rollout(inventory, releases, log))
+    release = deployed(rows)
     targets = [r.to_dict() for r in rows]
-    write_json(
-        run.path / DEPLOY_RESULTS, {"release": releases.id, "inventory": str(inventory.path), "targets": targets}
-    )
-    return _outcome(releases.id, rows, log)
+    write_json(run.path / DEPLOY_RESULTS, {"release": release, "inventory": str(inventory.path), "targets": targets})
+    return _outcome(release, rows, log)
+
+
+def deployed(rows: list[TargetResult]) -> str:
+    """The release id the targets were offered, or the ids comma-separated when device classes got different ones."""
+    return ", ".join(sorted({r.release for r in rows if r.release}))
 
 
 def _outcome(release: str, rows: list[TargetResult], log: Callable[[str], None]) -> StageResult:

@@ -182,8 +182,9 @@ def test_engine_for_another_class_and_too_little_space_are_refused(jetson_fleet,
     both = make_run("run-both", onnx_models[1])
     record_engine(both, classes=(ORIN, NX))
     cfg = fleet_cfg(fleet, names=["orin-01", "nx-01"], policy={"canary": 0})
-    c = deploy_ok(cfg, both)
+    deploy_ok(cfg, both)
     for name, klass in (("orin-01", ORIN), ("nx-01", NX)):
+        c = results(both)[name]["release"]  # each variant has its own id: its engine differs
         engine = (fleet[name].disk / "releases" / c / "model.plan").read_bytes()
         assert engine == (both.path / "engines" / klass / "model.plan").read_bytes() and intact(fleet[name], c)
     assert sorted(json.loads((both.path / "deploy/plan.json").read_text())["variants"]) == [ORIN, NX]
@@ -198,6 +199,33 @@ def test_failing_preflight_keeps_the_previous_release(jetson_fleet, two_runs):
         deploy.run(cfg, two_runs[1], **QUIET)
     assert intact(fleet["orin-01"], a) and links(fleet["orin-01"]) == (a, "")
     assert os.listdir(fleet["orin-01"].disk / "releases") == [a]  # the failed release was removed
+
+
+def files_on(target: JetsonTarget) -> str:
+    """sha256 and name of every file under the device's releases/ and the links, as the device sees them."""
+    listing = "cd /opt/edge && find releases -type f | sort | xargs sha256sum && ls -l current previous 2>&1"
+    return target.run(listing, check=False).stdout
+
+
+def test_a_rebuilt_engine_is_a_new_release_and_never_touches_the_live_one(jetson_fleet, make_run, onnx_models):
+    """Same ONNX, engine rebuilt (TensorRT builds are not byte-identical): a new id, so a failing preflight leaves
+    every device on its release, byte for byte."""
+    fleet = jetson_fleet(2)
+    cfg = fleet_cfg(fleet, policy={"canary": 0})
+    run = make_run("run-r", onnx_models[0])
+    record_engine(run)
+    a = deploy_ok(cfg, run)
+    before = {t.name: files_on(t) for t in fleet}
+    engine = run.path / f"engines/{ORIN}/model.plan"
+    engine.write_bytes(make_plan("10.3.0.30", {"soc": "nvidia,tegra234", "rebuilt": True}, 4096))
+    for target in fleet:
+        target.standins.set_trtexec(load_exit=1, error="Error[1]: engine deserialization failed")
+    with pytest.raises(PipelineError, match=r"2 of 2 targets not active: .*PREFLIGHT_FAILED"):
+        deploy.run(cfg, run, **QUIET)
+    rows = results(run)
+    assert {r["release"] for r in rows.values()} != {a} and all(r["current"] == a for r in rows.values())
+    for target in fleet:
+        assert files_on(target) == before[target.name] and intact(target, a) and links(target) == (a, "")
 
 
 def test_service_failing_after_the_switch_rolls_back(jetson_fleet, two_runs):
