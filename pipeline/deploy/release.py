@@ -1,11 +1,12 @@
 """Releases: the files one model version needs on a device, checked by a `sha256sum`-format SHA256SUMS.
 
-A release is named by its content: `<run-id>-<first 16 hex of the sha256 of its SHA256SUMS>`, and SHA256SUMS lists
-the sha256 of every other file (the engine included), so different bytes never share an id and the same bytes always
-get the same one. It is staged as `releases/<id>.part/`, verified, and only then renamed to `releases/<id>/`: a
-release directory without `.part` is always complete, and never rewritten. What a target is offered: `Releases` (a
-variant per device class, each with its own id) for devices, `HostRelease` (this host's engine or none) for local
-targets.
+A release is named by its content: `<run-id>-<first 8 hex of the sha256 of its SHA256SUMS>`, and SHA256SUMS lists
+the sha256 of every other file (the engine included), so different bytes get different ids and the same bytes always
+get the same one. (A target compares the whole SHA256SUMS digest before it takes an installed release for this one, so
+even two contents whose ids collided would be told apart, and the live one refused rather than rewritten.) It is
+staged as `releases/<id>.part/`, verified, and only then renamed to `releases/<id>/`: a release directory without
+`.part` is always complete, and never rewritten. What a target is offered: `Releases` (a variant per device class,
+each with its own id) for devices, `HostRelease` (this host's engine or none) for local targets.
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ from pipeline.manifest import RunDir
 SUMS = "SHA256SUMS"
 
 
-ID_HEX = 16
-"""Hex digits of the SHA256SUMS digest in a release id: 64 bits, so two contents of one run never collide."""
+ID_HEX = 8
+"""Hex digits of the SHA256SUMS digest in a release id (ids stay short enough for an 80-column status table)."""
 
 
 def release_id(run_id: str, sums_sha256: str) -> str:
-    """`<run-id>-<first 16 hex of sha256(SHA256SUMS)>`: the id names every file of the release, not just the model."""
+    """`<run-id>-<first 8 hex of sha256(SHA256SUMS)>`: the id names every file of the release, not just the model."""
     return safe_name(f"{run_id}-{sums_sha256[:ID_HEX]}", "release id (from the run directory name)")
 
 

@@ -34,7 +34,7 @@ def test_release_id_and_sums():
     sums = sums_text({"b.txt": digest, "a.txt": digest})
     assert sums == f"{digest}  a.txt\n{digest}  b.txt\n"
     sums_digest = hashlib.sha256(sums.encode()).hexdigest()
-    assert release_id("20261202-101500-ab12", sums_digest) == f"20261202-101500-ab12-{sums_digest[:16]}"
+    assert release_id("20261202-101500-ab12", sums_digest) == f"20261202-101500-ab12-{sums_digest[:8]}"
     with pytest.raises(PipelineError, match="release id"):
         release_id("my run", sums_digest)
 
