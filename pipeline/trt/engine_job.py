@@ -1,18 +1,21 @@
 """One engine for one device class with trtexec behind a runner (here or on a device): build, fetch, verify.
 
-The steps are the same wherever trtexec runs: place the ONNX file (and the class's timing cache) in the runner's
-work directory, build under the time limit, fetch the engine and check its sha256 against the runner's side, then
-verify it there: plan version, a load on the export stage's sample, agreement with ONNX Runtime, latency.
+The steps are the same wherever trtexec runs, for the build stage and for deploy's install-time builds: place the ONNX
+file (and the class's timing cache) in the runner's work directory and check its sha256 there, build under the time
+limit, fetch the engine and check its sha256 against the runner's side, then verify it there: plan version, a load on
+the export stage's sample, agreement with ONNX Runtime, latency.
 """
 
 from __future__ import annotations
 
 import shlex
+import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import BuildClass
+from pipeline.config import BuildClass, BuildConfig
 from pipeline.errors import PipelineError
 from pipeline.files import sha256_file
 from pipeline.layout import PLAN, SAMPLE
@@ -44,11 +47,42 @@ class Job:
     """JetPack of the device that builds ("" when unknown or not a device): DLA depends on it."""
 
 
+def new_job(
+    build: BuildConfig,
+    run_path: Path,
+    staging: Path,
+    profile: Profile,
+    klass: str,
+    version: str,
+    options: Options,
+    jetpack: str = "",
+) -> Job:
+    """The job for `klass`, its timing cache seeded from the engine cache's (when there is one)."""
+    seed = cache.timing_cache(build.cache_dir, klass)
+    if seed.is_file():
+        shutil.copyfile(seed, staging / CACHE)
+    return Job(klass, run_path, staging, profile, options, version, build.timeout_s, jetpack)
+
+
+async def build_and_verify(runner: Runner, job: Job, verify: bool, sample: Path) -> tuple[Built, dict[str, Any], float]:
+    """Build on `runner` and verify there (unless `verify` is off): what was built, the checks, the build's seconds."""
+    started = time.perf_counter()
+    built = await build(runner, job)
+    seconds = time.perf_counter() - started
+    if not verify:
+        return built, {"checked": False, "reason": "build.verify = false"}, seconds
+    return built, await check(runner, job, sample if sample.is_file() else None), seconds
+
+
 async def build(runner: Runner, job: Job) -> Built:
     """Build on `runner`; the engine, timing cache and log end up in `job.staging`."""
     chosen = flags.plan(job.version, job.options, job.run_path, job.jetpack)
     args, notes = flags.trtexec_args(job.version, chosen, job.options, job.profile)
-    await runner.put(job.run_path / chosen.onnx, "model.onnx")
+    onnx = job.run_path / chosen.onnx
+    await runner.put(onnx, "model.onnx")
+    # What trtexec reads is checked where it reads it: an upload cut short or damaged never gets built.
+    if await runner.sha256("model.onnx") != sha256_file(onnx):
+        raise PipelineError(f"build: {chosen.onnx} on {runner.where} does not match its sha256 here")
     if (job.staging / CACHE).is_file():
         await runner.put(job.staging / CACHE, CACHE)
     files = [f"--onnx={runner.path('model.onnx')}", f"--saveEngine={runner.path(PLAN)}"]
