@@ -38,10 +38,12 @@ TRTEXEC_DEFAULTS: dict[str, Any] = {
     "delay_s": 0.0,
     "engine_bytes": 4096,
     "error": "",
+    "outputs": {},
 }
 """Knobs of the stand-in trtexec (``trtexec.json``): TensorRT version it claims, exit codes of a build
-(``--onnx``) and of a load (``--loadEngine``), seconds to sleep before either, size of the engines it writes, and
-the error line printed when a forced exit code is non-zero."""
+(``--onnx``) and of a load (``--loadEngine``), seconds to sleep before either, size of the engines it writes, the
+error line printed when a forced exit code is non-zero, and the tensors a load writes to ``--exportOutput`` (name ->
+nested list; none: no file, as the stand-in runs no model)."""
 
 
 def control_dir() -> Path:
@@ -228,9 +230,26 @@ def _load(options: dict[str, str], knobs: dict[str, Any]) -> int:
         say("E", str(knobs["error"]) or "Engine deserialization failed")
         return int(knobs["load_exit"])
     say("I", "Engine deserialized in 0.0123 sec.")
+    if "exportOutput" in options and knobs["outputs"]:
+        _export(Path(options["exportOutput"]), knobs["outputs"])
     say("I", "Throughput: 812.4 qps")
     say("I", "Latency: min = 1.19 ms, max = 1.41 ms, mean = 1.23 ms, median = 1.22 ms")
     return 0
+
+
+def _export(path: Path, outputs: dict[str, Any]) -> None:
+    """Write `outputs` as trtexec's `--exportOutput` does: a list of {"name", "dimensions", "values"}."""
+
+    def shape(value: Any) -> list[int]:
+        return [len(value), *shape(value[0])] if isinstance(value, list) else []
+
+    def flat(value: Any) -> list[Any]:
+        return [x for item in value for x in flat(item)] if isinstance(value, list) else [value]
+
+    tensors = [
+        {"name": name, "dimensions": "x".join(map(str, shape(v))), "values": flat(v)} for name, v in outputs.items()
+    ]
+    path.write_text(json.dumps(tensors))
 
 
 def _build(argv: list[str], options: dict[str, str], knobs: dict[str, Any]) -> int:
