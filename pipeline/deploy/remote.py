@@ -1,11 +1,13 @@
-"""Deploying one release to one target: probe, refuse, upload what is missing, verify, rename, activate.
+"""Deploying one release to one target: probe, refuse, build its class's engine if needed, upload what is missing,
+verify, rename, activate.
 
 The steps are the same for a Jetson over SSH and for a local target (a device reached without SSH, through
-`hosts.LocalHost`). The target never holds a half release under its final name: files land in
-`releases/<id>.part/` (each file as `<name>.tmp`, renamed when whole), `sha256sum -c SHA256SUMS` runs on the
-target, and only then is the directory renamed to `releases/<id>`. Files the target already has (in the `.part`
-directory of an interrupted upload or in another release) are found by sha256 and linked instead of sent. The switch
-itself is `activate.sh`, shipped in the release, so it finishes on the device even if the connection drops.
+`hosts.LocalHost`). A device whose class has no engine in the run builds one first (`device_build`). The target never
+holds a half release under its final name: files land in `releases/<id>.part/` (each file as `<name>.tmp`, renamed
+when whole), `sha256sum -c SHA256SUMS` runs on the target, and only then is the directory renamed to `releases/<id>`.
+Files the target already has (in the `.part` directory of an interrupted upload, in another release, or an engine it
+built at install time) are found by sha256 and linked instead of sent. The switch itself is `activate.sh`, shipped in
+the release, so it finishes on the device even if the connection drops.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import asyncssh
 
+from pipeline.deploy.device_build import DEVICE_CACHE
 from pipeline.deploy.hosts import Host, Spot
 from pipeline.deploy.release import SUMS, Offer, Release
 from pipeline.deploy.result import (
@@ -39,7 +42,14 @@ from pipeline.fleet.probe import Facts, parse_facts, probe_script
 from pipeline.fleet.ssh import FAILURES, Completed, HostKeyRefused
 
 ACTIVATE = "activate.sh"
-_PHASE_STATUS = {"connect": UNREACHABLE, "probe": UNREACHABLE, "upload": UPLOAD_FAILED, "verify": VERIFY_FAILED}
+# A transport failure during a step; an install-time build that fails on its own is BUILD_FAILED (device_build).
+_PHASE_STATUS = {
+    "connect": UNREACHABLE,
+    "probe": UNREACHABLE,
+    "build": UNREACHABLE,
+    "upload": UPLOAD_FAILED,
+    "verify": VERIFY_FAILED,
+}
 
 
 @dataclass
@@ -62,7 +72,8 @@ async def deploy(host: Host, offer: Offer, policy: Policy, log: Callable[[str], 
     started = time.perf_counter()
     step = _Step()
     try:
-        await asyncio.wait_for(_session(host, offer, policy, row, step), timeout=policy.timeout_s)
+        timeout = policy.timeout_s + offer.build_time_s
+        await asyncio.wait_for(_session(host, offer, policy, row, step), timeout=timeout)
     except Stop as stop:
         row.status, row.reason = stop.status, stop.reason
     except HostKeyRefused as err:
@@ -103,7 +114,8 @@ async def _deploy(host: Host, offer: Offer, policy: Policy, row: TargetResult, s
     step.name = "probe"
     facts = await probe(host)
     row.device_class, row.previous, row.current = offer.device_class(facts), facts.current, facts.current
-    release = offer.for_device(facts)
+    step.name = "build"
+    release = await offer.for_device(host, facts, row)
     row.release = release.id
     step.name = "upload"
     await _prepare(host)
@@ -161,10 +173,11 @@ async def _installed(host: Host, release: Release) -> bool:
 
 
 async def _have(host: Host, release: Release) -> dict[str, str]:
-    """sha256 → device path (relative to releases/) of every whole file in the releases and in this `.part`."""
+    """sha256 → device path (relative to releases/) of every whole file in the releases, in this `.part` and in
+    the device's engine cache (an engine it built at install time)."""
     part = shlex.quote(f"{release.id}.part")
     command = (
-        f"cd {_root(host)}/releases && mkdir -p {part} && for f in {part}/* */*; do "
+        f"cd {_root(host)}/releases && mkdir -p {part} && for f in {part}/* */* ../{DEVICE_CACHE}/*/*; do "
         'case "$f" in *.tmp) continue ;; esac; [ -f "$f" ] && [ ! -L "$f" ] && sha256sum "$f"; done; true'
     )
     out = await host.run(command)

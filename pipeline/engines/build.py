@@ -8,8 +8,8 @@ building, so a host class not yet named before the build (`local`) is published 
 
 A failed build keeps trtexec's log as `engines/<class>/build-failed.log` (the class as named when the build started)
 and its error says "(full log: PATH)"; the next successful build of that class removes it. A declared class that
-cannot be built here is reported "not built" with the reason; the deploy contract for such a class is an
-install-time build on the device (builder "device" without a build target).
+cannot be built here is reported "not built" with the reason; deploy builds such a class (and any class it finds
+without an engine) on its first device at install time, through the same job (pipeline.deploy.device_build).
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def _publish(
     """Store the verified engine in the engine cache and move it into engines/<class>/ (build.json last)."""
     info = engine_job.build_info(job, klass, built, checks, seconds)
     dest = ctx.engines / klass.name
-    info = publish.publish_engine(job, info, ctx.cfg.build.cache_dir, dest)
+    info = publish.publish_engine(job.staging, info, ctx.cfg.build.cache_dir, dest)
     ctx.log(f"[build] {klass.name}: built ({(dest / PLAN).stat().st_size / 1e6:.2f} MB), cache miss")
     return _row(info, "built")
 

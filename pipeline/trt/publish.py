@@ -17,7 +17,7 @@ from pipeline.errors import PipelineError
 from pipeline.files import atomic_path, publish, read_json, write_json
 from pipeline.layout import BUILD_INFO, PLAN
 from pipeline.trt import cache
-from pipeline.trt.engine_job import CACHE, LOG, Job
+from pipeline.trt.engine_job import CACHE, LOG
 
 
 @contextlib.contextmanager
@@ -44,18 +44,20 @@ def staging(path: Path, failed_log: Path) -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def publish_engine(job: Job, info: dict[str, Any], cache_dir: Path, dest: Path) -> dict[str, Any]:
-    """Store the verified engine of `job` in the engine cache and move it into `dest` (build.json last); returns
-    build.json as published (`cache`: "miss")."""
-    write_json(job.staging / BUILD_INFO, info)
-    files = {PLAN: job.staging / PLAN, BUILD_INFO: job.staging / BUILD_INFO}
+def publish_engine(
+    staging: Path, info: dict[str, Any], cache_dir: Path, dest: Path, status: str = "miss"
+) -> dict[str, Any]:
+    """Store the verified engine in `staging` (build.json `info`) in the engine cache and move it into `dest`
+    (build.json last); returns build.json as published, its `cache` set to `status` (a fresh build: "miss")."""
+    write_json(staging / BUILD_INFO, info)
+    files = {PLAN: staging / PLAN, BUILD_INFO: staging / BUILD_INFO}
     cache.store(cache_dir, info["class"], info["cache_key"], files)
-    cache.keep_timing_cache(job.staging / CACHE, cache_dir, info["class"])
+    cache.keep_timing_cache(staging / CACHE, cache_dir, info["class"])
     dest.mkdir(parents=True, exist_ok=True)
     for src, name in ((PLAN, PLAN), (CACHE, CACHE), (LOG, "build.log")):
-        if (job.staging / src).is_file():
-            publish(job.staging / src, dest / name)
-    info = {**info, "cache": "miss"}
+        if (staging / src).is_file():
+            publish(staging / src, dest / name)
+    info = {**info, "cache": status}
     write_json(dest / BUILD_INFO, info)
     return info
 
