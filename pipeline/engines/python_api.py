@@ -1,4 +1,8 @@
-"""Engine builds with the TensorRT Python API (needs `import tensorrt` and a CUDA GPU)."""
+"""Engine builds with the TensorRT Python API (needs `import tensorrt` and a CUDA GPU).
+
+Which flags a version takes is pipeline.trt.flags (`python_api_flags`); the calls it makes are checked in
+docs/tensorrt.md#python-api-build-calls.
+"""
 
 from __future__ import annotations
 

@@ -128,7 +128,8 @@ def trtexec_args(version: str | None, build: Plan, options: Options, profile: Pr
         f"--maxShapes={profile.spec(profile.max)}",
     ]
     workspace = options.workspace_mb
-    # A plain number: MiB in every version, while 10.0.x counts an `M` suffix twice (no limit at all).
+    # A plain number: MiB in every version, while 10.0.x counts an `M` suffix twice, so no limit at all
+    # (docs/tensorrt.md#workspace-limit-and-its-unit).
     args.append(f"--memPoolSize=workspace:{workspace}" if ver >= MEMPOOL_SINCE else f"--workspace={workspace}")
     args += build.precision_flags
     notes = list(build.notes)
@@ -148,7 +149,8 @@ def python_api_flags(version: str | None, options: Options) -> dict[str, list[st
     """Names of the NetworkDefinitionCreationFlag and BuilderFlag members the Python API build sets for `version`."""
     ver = version_tuple(version)
     network = ["EXPLICIT_BATCH"] if ver < IMPLICIT_EXPLICIT_BATCH else []
-    # From 11 every network is strongly typed: STRONGLY_TYPED is ignored and FP16/INT8 are gone.
+    # From 11 every network is strongly typed: STRONGLY_TYPED is ignored and FP16/INT8 are gone
+    # (docs/tensorrt.md#python-api-network-flags, #python-api-precision-flags).
     builder = {"fp16": ["FP16"], "int8": ["INT8"]}.get(options.precision, []) if ver < STRONGLY_TYPED_ONLY else []
     if options.dla_core is not None:
         builder.append("GPU_FALLBACK")

@@ -18,6 +18,7 @@ from onnxconverter_common import float16
 from pipeline import deploy, engines
 from pipeline.config import BuildClass, BuildConfig, Config, DeployConfig
 from pipeline.errors import PipelineError, TransientError
+from pipeline.fleet.ssh import Device
 from pipeline.manifest import RunDir
 from tests.deploy.test_fleet_ssh import files_on, intact, links, results
 from tests.harness import AGX_ORIN_JP62, XAVIER_NX_JP513, JetsonFleet, JetsonTarget, TargetSpec, fixtures, read_plan
@@ -223,3 +224,21 @@ def test_a_build_failing_on_the_device_keeps_the_previous_release(
     assert files_on(target) == before and intact(target, a) and links(target) == (a, "")
     assert target.run("ls -A /tmp").stdout == ""  # the build's temp directory is gone
     assert not (second.path / f"engines/{ORIN107}").exists()
+
+
+def test_an_onnx_file_damaged_on_its_way_is_never_built(jetson_fleet, typed_run, tmp_path: Path, monkeypatch):
+    fleet = jetson_fleet([TargetSpec("orin-107a", board=ORIN_107)])
+    target = fleet["orin-107a"]
+    put = Device.put
+
+    async def damaging_put(self: Device, local: Path, remote_path: str) -> int:
+        sent = await put(self, local, remote_path)
+        if "/edge-build." in remote_path and remote_path.endswith("/model.onnx"):  # bit rot in the build directory
+            target.run(f"printf X | dd of={remote_path} bs=1 seek=100 conv=notrunc 2>/dev/null")
+        return sent
+
+    monkeypatch.setattr(Device, "put", damaging_put)
+    message = r"BUILD_FAILED: build: onnx/model\.onnx on device orin-107a does not match its sha256 here"
+    with pytest.raises(PipelineError, match=message):
+        deploy.run(config(fleet, tmp_path, []), typed_run("run-u"), **QUIET)
+    assert builds(target) == [] and target.run("ls -A /tmp").stdout == ""
