@@ -1,4 +1,5 @@
-"""Deploy stage: versioned releases on targets, atomic switch, health check, automatic rollback, pruning.
+"""Deploy stage: content-addressed releases on targets, install-time engine builds for device classes without one,
+atomic switch, health check, automatic rollback, pruning.
 
 Targets are Jetsons over SSH from an inventory, or local directories standing in for devices; both go through the
 same target-side steps (`remote`, and `activate.sh`, which runs on the target), over an SSH `Device` or

@@ -30,6 +30,10 @@ point() {  # link target-or-empty: one rename, so readers see the old link or th
     rm -f ".$1.new" && ln -s "$2" ".$1.new" && mv -T ".$1.new" "$1"
 }
 
+durable() {  # the links, the renamed release and the activation order on disk (fsync), before anyone relies on them
+    sync -- . releases .seq "releases/$REL/.order" 2>/dev/null || sync
+}
+
 cd "$ROOT" || { echo "ACTIVATE status=FAILED"; echo "ACTIVATE reason=no deploy root $ROOT"; exit 1; }
 exec 9>.lock
 if command -v flock >/dev/null 2>&1; then
@@ -115,9 +119,10 @@ echo "$order" >.seq && echo "$order" >"releases/$REL/.order"  # newest, for prun
 if [ "$OLD_CUR" != "releases/$REL" ]; then
     { [ -z "$OLD_CUR" ] || point previous "$OLD_CUR"; } && point current "releases/$REL" || report FAILED "switch failed"
 fi
+durable
 if ! why=$(restart) || ! why=$(postcheck); then
     [ "$OLD_CUR" != "releases/$REL" ] || report FAILED "after restart: $why (on the release already active)"
-    point current "$OLD_CUR" && point previous "$OLD_PREV"
+    point current "$OLD_CUR" && point previous "$OLD_PREV" && durable
     again=$(restart) || why="$why; $again after switching back"
     drop_release
     OLD_CUR=${OLD_CUR#releases/}

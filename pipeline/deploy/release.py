@@ -1,33 +1,44 @@
 """Releases: the files one model version needs on a device, checked by a `sha256sum`-format SHA256SUMS.
 
-A release is named `<run-id>-<first 8 hex of the ONNX's sha256>`, staged as `releases/<id>.part/`, verified, and
-only then renamed to `releases/<id>/`: a release directory without `.part` is always complete. What a target is
-offered: `Releases` (a variant per device class) for devices, `HostRelease` (this host's engine or none) for local
-targets.
+A release is named by its content: `<run-id>-<first 8 hex of the sha256 of its SHA256SUMS>`, and SHA256SUMS lists
+the sha256 of every other file (the engine included), so different bytes get different ids and the same bytes always
+get the same one. (A target compares the whole SHA256SUMS digest before it takes an installed release for this one, so
+even two contents whose ids collided would be told apart, and the live one refused rather than rewritten.) It is
+staged as `releases/<id>.part/`, verified, and only then renamed to `releases/<id>/`: a release directory without
+`.part` is always complete, and never rewritten. What a target is offered: `Releases` (a variant per device class,
+each with its own id) for devices, `HostRelease` (this host's engine or none) for local targets.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from pipeline.deploy.result import REFUSED, Stop
+from pipeline.deploy.device_build import DeviceBuilds
+from pipeline.deploy.hosts import Host
+from pipeline.deploy.result import REFUSED, Stop, TargetResult
 from pipeline.errors import PipelineError
 from pipeline.files import read_json, sha256_file, write_json, write_text
 from pipeline.fleet.names import safe_name
 from pipeline.fleet.probe import Facts
+from pipeline.fleet.ssh import Device
 from pipeline.layout import DEPLOY_DIR, MODEL_JSON, ONNX, PLAN, SAMPLE
 from pipeline.manifest import RunDir
 
 SUMS = "SHA256SUMS"
 
 
-def release_id(run_id: str, onnx: Path) -> str:
-    """`<run-id>-<first 8 hex of sha256(onnx)>`: a new model in the same run is a new release."""
-    return safe_name(f"{run_id}-{sha256_file(onnx)[:8]}", "release id (from the run directory name)")
+ID_HEX = 8
+"""Hex digits of the SHA256SUMS digest in a release id (ids stay short enough for an 80-column status table)."""
+
+
+def release_id(run_id: str, sums_sha256: str) -> str:
+    """`<run-id>-<first 8 hex of sha256(SHA256SUMS)>`: the id names every file of the release, not just the model."""
+    return safe_name(f"{run_id}-{sums_sha256[:ID_HEX]}", "release id (from the run directory name)")
 
 
 @dataclass(frozen=True)
@@ -71,7 +82,7 @@ def make_plan(
     write_text(out / SUMS, sums_text(sha256))
     files[SUMS] = out / SUMS
     sha256[SUMS] = sha256_file(out / SUMS)
-    plan = ReleasePlan(release_id(run.path.name, onnx), files, sha256)
+    plan = ReleasePlan(release_id(run.path.name, sha256[SUMS]), files, sha256)
     write_json(out / "plan.json", plan_json(plan))
     return plan
 
@@ -125,13 +136,15 @@ class HostRelease:
     probe's facts describe this machine, not a Jetson), so every local target takes it."""
 
     release: Release
+    build_time_s = 0
+    """Nothing is built on a local target."""
 
     @property
     def id(self) -> str:
         """The release id."""
         return self.release.id
 
-    def for_device(self, facts: Facts) -> Release:
+    async def for_device(self, host: Host, facts: Facts, row: TargetResult) -> Release:
         """The one release, whatever the probe found."""
         return self.release
 
@@ -143,43 +156,66 @@ class HostRelease:
 class Releases:
     """The run's release as each device class gets it: with the engine built for that class, or ONNX only.
 
-    All variants share one release id (the model is the same). Each is planned up front, under
-    `<run>/deploy/releases/<class, or "onnx">/`, so a bad run directory fails before any device is touched.
+    Each variant has its own id (its files differ). The build stage's are planned up front, under
+    `<run>/deploy/releases/<class, or "onnx">/`, so a bad run directory fails before any device is touched; a class
+    the run has no engine for gets one at install time (`builds`), and its variant is planned then.
     """
 
-    def __init__(self, run: RunDir, engines: dict[str, tuple[Path, Path]], extra: dict[str, Path]) -> None:
-        self.id = release_id(run.path.name, run.path / ONNX)
+    def __init__(
+        self,
+        run: RunDir,
+        engines: dict[str, tuple[Path, Path]],
+        extra: dict[str, Path],
+        builds: DeviceBuilds | None = None,
+    ) -> None:
+        self.run, self.extra, self.builds = run, extra, builds
         keys: dict[str, tuple[Path, Path] | None] = dict(engines) if engines else {"onnx": None}
-        self.variants = {
-            key: Release(make_plan(run, engine, extra, out=run.path / DEPLOY_DIR / "releases" / key), engine and key)
-            for key, engine in keys.items()
-        }
+        self.variants = {key: self._variant(key, engine) for key, engine in keys.items()}
+        self._building: dict[str, asyncio.Lock] = {}
+
+    def _variant(self, key: str, engine: tuple[Path, Path] | None) -> Release:
+        out = self.run.path / DEPLOY_DIR / "releases" / key
+        return Release(make_plan(self.run, engine, self.extra, out=out), engine and key)
 
     @property
     def bytes(self) -> int:
         """Size of the largest variant."""
         return max(r.plan.bytes for r in self.variants.values())
 
-    def for_device(self, facts: Facts) -> Release:
-        """The variant for a probed device; Stop(REFUSED) when the run has engines but none for its class."""
+    @property
+    def build_time_s(self) -> int:
+        """Extra time a target may take for an install-time build of its class's engine."""
+        return self.builds.time_s if self.builds else 0
+
+    async def for_device(self, host: Host, facts: Facts, row: TargetResult) -> Release:
+        """The variant for a probed device. A device with TensorRT whose class has no engine gets one at install
+        time (the first device of a class builds it, the others wait for it); without TensorRT it gets ONNX only when
+        the run has no engines at all, else Stop(REFUSED)."""
+        klass = facts.device_class
+        if klass in self.variants:
+            return self.variants[klass]
+        if self.builds is not None and facts.tensorrt and isinstance(host, Device):
+            async with self._building.setdefault(klass, asyncio.Lock()):
+                if klass not in self.variants:
+                    self.variants[klass] = self._variant(klass, await self.builds.engine(host, facts, row))
+            return self.variants[klass]
         if "onnx" in self.variants:
             return self.variants["onnx"]
-        klass = facts.device_class
-        if klass not in self.variants:
-            raise Stop(
-                REFUSED,
-                f"engine built for {', '.join(sorted(self.variants))}, device is {klass} "
-                f"({facts.model or 'unknown model'}, TensorRT {facts.tensorrt or 'unknown'}): build one for this class",
-            )
-        return self.variants[klass]
+        device = f"device is {klass} ({facts.model or 'unknown model'}"
+        why = (
+            f"{device}, no TensorRT package): it can neither build nor load one"
+            if not facts.tensorrt
+            else (f"{device}, TensorRT {facts.tensorrt}): build one for this class")
+        )
+        raise Stop(REFUSED, f"engine built for {', '.join(sorted(self.variants))}, {why}")
 
     def device_class(self, facts: Facts) -> str:
         """The probed device's class."""
         return facts.device_class
 
     def summary(self) -> dict[str, Any]:
-        """plan.json content: the release id and each variant's files."""
-        return {"release": self.id, "variants": {key: plan_json(r.plan) for key, r in self.variants.items()}}
+        """plan.json content: each variant's release id and files."""
+        return {"variants": {key: plan_json(r.plan) for key, r in self.variants.items()}}
 
 
 Offer = Releases | HostRelease

@@ -1,11 +1,13 @@
-"""Deploying one release to one target: probe, refuse, upload what is missing, verify, rename, activate.
+"""Deploying one release to one target: probe, refuse, build its class's engine if needed, upload what is missing,
+verify, rename, activate.
 
 The steps are the same for a Jetson over SSH and for a local target (a device reached without SSH, through
-`hosts.LocalHost`). The target never holds a half release under its final name: files land in
-`releases/<id>.part/` (each file as `<name>.tmp`, renamed when whole), `sha256sum -c SHA256SUMS` runs on the
-target, and only then is the directory renamed to `releases/<id>`. Files the target already has (in the `.part`
-directory of an interrupted upload or in another release) are found by sha256 and linked instead of sent. The switch
-itself is `activate.sh`, shipped in the release, so it finishes on the device even if the connection drops.
+`hosts.LocalHost`). A device whose class has no engine in the run builds one first (`device_build`). The target never
+holds a half release under its final name: files land in `releases/<id>.part/` (each file as `<name>.tmp`, renamed
+when whole), `sha256sum -c SHA256SUMS` runs on the target, and only then is the directory renamed to `releases/<id>`.
+Files the target already has (in the `.part` directory of an interrupted upload, in another release, or an engine it
+built at install time) are found by sha256 and linked instead of sent. The switch itself is `activate.sh`, shipped in
+the release, so it finishes on the device even if the connection drops.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import asyncssh
 
+from pipeline.deploy.device_build import DEVICE_CACHE
 from pipeline.deploy.hosts import Host, Spot
 from pipeline.deploy.release import SUMS, Offer, Release
 from pipeline.deploy.result import (
@@ -39,7 +42,14 @@ from pipeline.fleet.probe import Facts, parse_facts, probe_script
 from pipeline.fleet.ssh import FAILURES, Completed, Refused
 
 ACTIVATE = "activate.sh"
-_PHASE_STATUS = {"connect": UNREACHABLE, "probe": UNREACHABLE, "upload": UPLOAD_FAILED, "verify": VERIFY_FAILED}
+# A transport failure during a step; an install-time build that fails on its own is BUILD_FAILED (device_build).
+_PHASE_STATUS = {
+    "connect": UNREACHABLE,
+    "probe": UNREACHABLE,
+    "build": UNREACHABLE,
+    "upload": UPLOAD_FAILED,
+    "verify": VERIFY_FAILED,
+}
 
 
 @dataclass
@@ -49,8 +59,8 @@ class _Step:
     name: str = "connect"
 
 
-def new_result(target: Spot, release_id: str) -> TargetResult:
-    """A target's result row before anything happened."""
+def new_result(target: Spot, release_id: str = "") -> TargetResult:
+    """A target's result row before anything happened (the release is known once the device is probed)."""
     host = f"{target.host}:{target.port}" if isinstance(target, SshTarget) else "local"
     return TargetResult(target=target.name, host=host, root=target.root, release=release_id)
 
@@ -58,11 +68,12 @@ def new_result(target: Spot, release_id: str) -> TargetResult:
 async def deploy(host: Host, offer: Offer, policy: Policy, log: Callable[[str], None] = print) -> TargetResult:
     """Deploy the run's release to the target `host` reaches (entered here); never raises for target-side problems:
     they become the row's status."""
-    row = new_result(host.target, offer.id)
+    row = new_result(host.target)
     started = time.perf_counter()
     step = _Step()
     try:
-        await asyncio.wait_for(_session(host, offer, policy, row, step), timeout=policy.timeout_s)
+        timeout = policy.timeout_s + offer.build_time_s
+        await asyncio.wait_for(_session(host, offer, policy, row, step), timeout=timeout)
     except Stop as stop:
         row.status, row.reason = stop.status, stop.reason
     except Refused as err:
@@ -103,10 +114,13 @@ async def _deploy(host: Host, offer: Offer, policy: Policy, row: TargetResult, s
     step.name = "probe"
     facts = await probe(host)
     row.device_class, row.previous, row.current = offer.device_class(facts), facts.current, facts.current
-    release = offer.for_device(facts)
+    step.name = "build"
+    release = await offer.for_device(host, facts, row)
+    row.release = release.id
     step.name = "upload"
     await _prepare(host)
     if not await _installed(host, release):
+        _refuse_live(release, facts)
         _refuse_space(release, facts)
         await _upload(host, release, row)
         step.name = "verify"
@@ -117,6 +131,16 @@ async def _deploy(host: Host, offer: Offer, policy: Policy, row: TargetResult, s
         return
     step.name = "activate"
     await _activate(host, release, policy, row)
+
+
+def _refuse_live(release: Release, facts: Facts) -> None:
+    """A live release is never rewritten: `releases/<id>` is current but does not hold this release whole."""
+    if facts.current == release.id:
+        raise Stop(
+            VERIFY_FAILED,
+            f"releases/{release.id} is live and does not match its SHA256SUMS: a deploy never rewrites the live "
+            "release (roll back, then deploy again)",
+        )
 
 
 def _refuse_space(release: Release, facts: Facts) -> None:
@@ -149,10 +173,11 @@ async def _installed(host: Host, release: Release) -> bool:
 
 
 async def _have(host: Host, release: Release) -> dict[str, str]:
-    """sha256 → device path (relative to releases/) of every whole file in the releases and in this `.part`."""
+    """sha256 → device path (relative to releases/) of every whole file in the releases, in this `.part` and in
+    the device's engine cache (an engine it built at install time)."""
     part = shlex.quote(f"{release.id}.part")
     command = (
-        f"cd {_root(host)}/releases && mkdir -p {part} && for f in {part}/* */*; do "
+        f"cd {_root(host)}/releases && mkdir -p {part} && for f in {part}/* */* ../{DEVICE_CACHE}/*/*; do "
         'case "$f" in *.tmp) continue ;; esac; [ -f "$f" ] && [ ! -L "$f" ] && sha256sum "$f"; done; true'
     )
     out = await host.run(command)
@@ -192,9 +217,10 @@ async def _upload(host: Host, release: Release, row: TargetResult) -> None:
         row.files_sent += 1
 
 
-async def _sums(host: Host, directory: str) -> tuple[Completed, list[str]]:
-    """`sha256sum -c SHA256SUMS` in `directory` on the target: its outcome, and the names that did not match."""
-    out = await host.run(f"cd {shlex.quote(directory)} && sha256sum -c {SUMS}")
+async def _sums(host: Host, directory: str, first: str = "true") -> tuple[Completed, list[str]]:
+    """`sha256sum -c SHA256SUMS` in `directory` on the target (after the command `first`): its outcome, and the names
+    that did not match."""
+    out = await host.run(f"cd {shlex.quote(directory)} && {first} && sha256sum -c {SUMS}")
     return out, [line.rsplit(":", 1)[0] for line in out.stdout.splitlines() if not line.endswith(": OK")]
 
 
@@ -207,23 +233,35 @@ async def verified(host: Host, directory: str) -> str | None:
 
 
 async def _verify(host: Host, release: Release) -> None:
-    """`sha256sum -c` in `.part` on the target; files that fail are removed so the next attempt sends them again."""
+    """`sha256sum -c` in `.part` on the target once the uploads are on disk (`sync`); files that fail are removed so
+    the next attempt sends them again. Then whatever SHA256SUMS does not list (an interrupted upload's `.tmp`, a
+    stale file) is removed, so it is never promoted with the release."""
     part = f"{host.target.root}/releases/{release.id}.part"
-    out, bad = await _sums(host, part)
-    if out.ok:
-        return
-    names = [n for n in bad if n in release.plan.files]
-    if names:
-        await host.run(f"cd {shlex.quote(part)} && rm -f -- {' '.join(shlex.quote(n) for n in names)}")
-    raise Stop(VERIFY_FAILED, f"checksum mismatch on the device: {', '.join(names) or out.tail()}")
+    # fsync each file and the directory (its renames); a `sync` without names where that fails.
+    out, bad = await _sums(host, part, first="{ sync -- . * 2>/dev/null || sync; }")
+    if not out.ok:
+        names = [n for n in bad if n in release.plan.files]
+        if names:
+            await host.run(f"cd {shlex.quote(part)} && rm -f -- {' '.join(shlex.quote(n) for n in names)}")
+        raise Stop(VERIFY_FAILED, f"checksum mismatch on the device: {', '.join(names) or out.tail()}")
+    listed = "|".join(sorted(release.plan.files))  # safe names: nothing a `case` pattern would expand
+    sums = await host.run(
+        f"cd {shlex.quote(part)} && sha256sum {SUMS} && for f in * .[!.]* ..?*; do "
+        f'case "$f" in {listed}) ;; *) [ ! -e "$f" ] || rm -rf -- "$f" ;; esac; done'
+    )
+    if not sums.ok or sums.stdout.split()[:1] != [release.plan.sha256[SUMS]]:
+        raise Stop(VERIFY_FAILED, f"checksum mismatch on the device: {SUMS} ({sums.tail()})")
 
 
 async def _rename(host: Host, release: Release) -> None:
-    """`.part` → `releases/<id>`; a stale directory of the same id (other content) is moved aside first."""
+    """`.part` → `releases/<id>`. A damaged directory of the same id is moved aside first, unless it is live: the
+    live release is never rewritten (the check is repeated here, on the device, right before the rename)."""
     rid = shlex.quote(release.id)
     aside = shlex.quote(f".{release.id}.replaced")
+    live = shlex.quote(f"releases/{release.id}")
     command = (
-        f"cd {_root(host)}/releases && rm -rf {aside} && {{ [ ! -e {rid} ] || mv {rid} {aside}; }} && "
+        f"cd {_root(host)}/releases && rm -rf {aside} && "
+        f'{{ [ ! -e {rid} ] || {{ [ "$(readlink ../current)" != {live} ] && mv {rid} {aside}; }}; }} && '
         f"mv {shlex.quote(release.id + '.part')} {rid} && rm -rf {aside}"
     )
     out = await host.run(command)

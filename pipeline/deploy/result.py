@@ -17,6 +17,8 @@ from rich.table import Column, Table
 ACTIVE, ROLLED_BACK, PREFLIGHT_FAILED = "ACTIVE", "ROLLED_BACK", "PREFLIGHT_FAILED"
 UNREACHABLE, REFUSED, SKIPPED = "UNREACHABLE", "REFUSED", "SKIPPED"
 UPLOAD_FAILED, VERIFY_FAILED, FAILED = "UPLOAD_FAILED", "VERIFY_FAILED", "FAILED"
+BUILD_FAILED = "BUILD_FAILED"
+"""The install-time engine build (or its verification) failed on the device; nothing there changed."""
 
 
 class Stop(Exception):
@@ -44,6 +46,10 @@ class TargetResult:
     bytes_sent: int = 0
     files_sent: int = 0
     files_reused: int = 0
+    built_on_device: bool = False
+    """The device built its class's engine at install time (pipeline.deploy.device_build) during this deploy."""
+    build_seconds: float = 0.0
+    """How long that build took (0 when the device built nothing)."""
     seconds: float = 0.0
     health: dict[str, Any] = field(default_factory=dict)
     """The verdict a health command printed as `HEALTH <json>` (local targets' check does); {} when none did."""

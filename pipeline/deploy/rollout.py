@@ -61,7 +61,7 @@ async def rollout(inventory: Inventory, releases: Releases, log: Callable[[str],
     for number, wave in enumerate(plan):
         if stop:
             for target in wave:
-                rows[target.name] = replace(remote.new_result(target, releases.id), reason=stop)
+                rows[target.name] = replace(remote.new_result(target), reason=stop)
             continue
         for row in await asyncio.gather(*(one(t) for t in wave)):
             rows[row.target] = row

@@ -1,8 +1,10 @@
 """The deploy stage: release the run's model to every configured target and report per target.
 
 Targets are local directories, or, when `deploy.inventory` names an inventory, SSH devices rolled out to in
-waves; both go through the same target-side steps (`remote`, `activate.sh`). Not cacheable: the truth is on the
-targets (someone may have rolled back or wiped one since the last run).
+waves; both go through the same target-side steps (`remote`, `activate.sh`). A device whose class has no engine in
+the run gets one built at install time (`device_build`); those engines land in `engines/<class>/` and are the
+stage's outputs too. Not cacheable: the truth is on the targets (someone may have rolled back or wiped one since the
+last run).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 
 from pipeline.config import Config
 from pipeline.deploy import remote
+from pipeline.deploy.device_build import DeviceBuilds
 from pipeline.deploy.hosts import LocalHost, local_spot
 from pipeline.deploy.release import HostRelease, Release, Releases, make_plan
 from pipeline.deploy.result import ACTIVE, UNREACHABLE, UPLOAD_FAILED, TargetResult, results_table
@@ -20,7 +23,7 @@ from pipeline.deploy.rollout import rollout, waves
 from pipeline.errors import PipelineError, TransientError
 from pipeline.files import read_json, write_json
 from pipeline.fleet.inventory import Policy, load_inventory
-from pipeline.layout import DEPLOY_PLAN, DEPLOY_RESULTS, MODEL_JSON, ONNX, PLAN, SAMPLE
+from pipeline.layout import DEPLOY_PLAN, DEPLOY_RESULTS, MANIFEST, MODEL_JSON, ONNX, PLAN, SAMPLE
 from pipeline.manifest import RunDir, Stage, StageResult, run_stage
 
 ACTIVATE_SCRIPT = Path(__file__).with_name("activate.sh")
@@ -47,7 +50,7 @@ def recorded_engine(run: RunDir) -> tuple[Path, Path] | None:
     outputs = entry.get("outputs", {})
     if "engine" not in outputs or "build_info" not in outputs:
         return None
-    plan, info = run.path / outputs["engine"], run.path / outputs["build_info"]
+    plan, info = inside(run, outputs["engine"]), inside(run, outputs["build_info"])
     if not plan.is_file():
         raise PipelineError(f"{plan}: the build stage recorded this engine but it is missing (run `pipeline build`)")
     return plan, info
@@ -61,7 +64,7 @@ def recorded_engines(run: RunDir) -> dict[str, tuple[Path, Path]]:
         return {}
     outputs = entry.get("outputs", {})
     engines = {
-        key.removeprefix("engine:"): (run.path / path, run.path / outputs.get(f"build_info:{key[7:]}", ""))
+        key.removeprefix("engine:"): (inside(run, path), inside(run, outputs.get(f"build_info:{key[7:]}", "")))
         for key, path in outputs.items()
         if key.startswith("engine:")
     }
@@ -75,9 +78,18 @@ def recorded_engines(run: RunDir) -> dict[str, tuple[Path, Path]]:
     return engines
 
 
-def fleet_releases(run: RunDir) -> Releases:
-    """The release for SSH devices: the run's files, the engine for each class, and the activation script."""
-    return Releases(run, recorded_engines(run), {remote.ACTIVATE: ACTIVATE_SCRIPT})
+def inside(run: RunDir, rel: str) -> Path:
+    """`rel` (a path the manifest records) in the run directory; a PipelineError when it leads outside."""
+    path = run.path / rel
+    if not path.resolve().is_relative_to(run.path.resolve()):
+        raise PipelineError(f"{run.path / MANIFEST}: build output {rel!r} is outside the run directory: refused")
+    return path
+
+
+def fleet_releases(run: RunDir, builds: DeviceBuilds | None = None) -> Releases:
+    """The release for SSH devices: the run's files, the engine for each class (from the build stage, or from
+    `builds` at install time for a class it has none for), and the activation script."""
+    return Releases(run, recorded_engines(run), {remote.ACTIVATE: ACTIVATE_SCRIPT}, builds)
 
 
 def local_release(run: RunDir) -> HostRelease:
@@ -109,23 +121,38 @@ async def _deploy_local(cfg: Config, offer: HostRelease, log: Callable[[str], No
 def _fleet_body(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageResult:
     assert cfg.deploy.inventory is not None
     inventory = load_inventory(cfg.deploy.inventory)
-    releases = fleet_releases(run)
-    classes = [k for k, r in releases.variants.items() if r.engine_class]
-    engine_note = f"engines for {', '.join(classes)}" if classes else "ONNX only"
-    size = f"{releases.bytes / 1e6:.2f} MB"
-    log(f"[deploy] release {releases.id} ({size}, {engine_note}) to {len(inventory.targets)} device(s)")
-    plan = {**releases.summary(), "waves": [[t.name for t in wave] for wave in waves(inventory)]}
-    write_json(run.path / DEPLOY_PLAN, plan)
+    builds = DeviceBuilds(cfg, run, inventory.policy.keep_releases, log)
+    releases = fleet_releases(run, builds)
+    for key, variant in releases.variants.items():
+        what = "ONNX only" if variant.engine_class is None else f"engine for {key}"
+        log(f"[deploy] release {variant.id} ({variant.plan.bytes / 1e6:.2f} MB, {what})")
+    log(f"[deploy] to {len(inventory.targets)} device(s); a class without an engine is built on its first device")
+    waves_plan = {"waves": [[t.name for t in wave] for wave in waves(inventory)]}
+    write_json(run.path / DEPLOY_PLAN, {**releases.summary(), **waves_plan})
     rows = asyncio.run(rollout(inventory, releases, log))
+    write_json(run.path / DEPLOY_PLAN, {**releases.summary(), **waves_plan})  # with the install-time variants
+    release = deployed(rows)
     targets = [r.to_dict() for r in rows]
-    write_json(
-        run.path / DEPLOY_RESULTS, {"release": releases.id, "inventory": str(inventory.path), "targets": targets}
-    )
-    return _outcome(releases.id, rows, log)
+    write_json(run.path / DEPLOY_RESULTS, {"release": release, "inventory": str(inventory.path), "targets": targets})
+    # Engines this deploy put into the run (built on a device, or found in a cache) are its outputs too.
+    placed = {
+        f"{kind}:{klass}": str(path.relative_to(run.path))
+        for klass, files in builds.placed.items()
+        for kind, path in zip(("engine", "build_info"), files, strict=True)
+    }
+    return _outcome(release, rows, log, placed)
 
 
-def _outcome(release: str, rows: list[TargetResult], log: Callable[[str], None]) -> StageResult:
-    """The stage's result when every target is ACTIVE; otherwise the error naming each target that is not."""
+def deployed(rows: list[TargetResult]) -> str:
+    """The release id the targets were offered, or the ids comma-separated when device classes got different ones."""
+    return ", ".join(sorted({r.release for r in rows if r.release}))
+
+
+def _outcome(
+    release: str, rows: list[TargetResult], log: Callable[[str], None], outputs: dict[str, str] | None = None
+) -> StageResult:
+    """The stage's result when every target is ACTIVE (with `outputs` besides its files); otherwise the error naming
+    each target that is not."""
     log(results_table(rows))
     bad = [r for r in rows if r.status != ACTIVE]
     if bad:
@@ -144,13 +171,14 @@ def _outcome(release: str, rows: list[TargetResult], log: Callable[[str], None])
         "active": len(rows),
         "targets": len(rows),
         "bytes_sent": sum(r.bytes_sent for r in rows),
+        "built_on_device": sum(r.built_on_device for r in rows),
     }
-    return StageResult("deploy", "done", outputs=dict(STAGE.outputs), metrics=metrics)
+    return StageResult("deploy", "done", outputs={**STAGE.outputs, **(outputs or {})}, metrics=metrics)
 
 
-STAGE = Stage(
+STAGE = Stage(  # build and export: install-time builds use the class's builder options and the shapes
     name="deploy",
-    sections=("deploy",),
+    sections=("deploy", "build", "export"),
     inputs=(ONNX, SAMPLE, MODEL_JSON),
     outputs={"results": DEPLOY_RESULTS, "plan": DEPLOY_PLAN},
     run=run,

@@ -8,8 +8,8 @@ building, so a host class not yet named before the build (`local`) is published 
 
 A failed build keeps trtexec's log as `engines/<class>/build-failed.log` (the class as named when the build started)
 and its error says "(full log: PATH)"; the next successful build of that class removes it. A declared class that
-cannot be built here is reported "not built" with the reason; the deploy contract for such a class is an
-install-time build on the device (builder "device" without a build target).
+cannot be built here is reported "not built" with the reason; deploy builds such a class (and any class it finds
+without an engine) on its first device at install time, through the same job (pipeline.deploy.device_build).
 """
 
 from __future__ import annotations
@@ -17,27 +17,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shlex
 import shutil
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pipeline.config import BuildClass, Config
-from pipeline.engines import cache, engine_job, python_api
-from pipeline.engines.built import Built
+from pipeline.engines import python_api
 from pipeline.engines.detect import Choice, Host, probe_host
-from pipeline.engines.engine_job import Job
-from pipeline.engines.flags import Options
-from pipeline.engines.flags import plan as onnx_plan
-from pipeline.engines.profile import Profile
-from pipeline.engines.runners import Local, Remote
-from pipeline.engines.verify import same_version
 from pipeline.errors import PipelineError, TransientError
-from pipeline.files import atomic_path, first_line, publish, read_json, sha256_file, write_json
+from pipeline.files import first_line
 from pipeline.fleet.classes import device_class
 from pipeline.fleet.inventory import SshTarget, load_inventory
 from pipeline.fleet.probe import SOCS, parse_facts, probe_script
@@ -45,6 +36,13 @@ from pipeline.fleet.ssh import FAILURES, Device, Refused
 from pipeline.host import python_api_problem
 from pipeline.layout import BUILD_INFO, ENGINES, PLAN, SAMPLE, engine_dir
 from pipeline.manifest import RunDir
+from pipeline.trt import cache, engine_job, publish
+from pipeline.trt.built import Built
+from pipeline.trt.engine_job import Job
+from pipeline.trt.flags import Options, options_for
+from pipeline.trt.profile import Profile
+from pipeline.trt.runners import Local, Remote, Runner
+from pipeline.trt.verify import same_version
 
 NOT_BUILT = "not built"
 FAILED_LOG = "build-failed.log"
@@ -67,25 +65,6 @@ class Context:
     def engines(self) -> Path:
         """engines/ of the run."""
         return self.run.path / ENGINES
-
-
-def options_for(cfg: Config, klass: BuildClass) -> Options:
-    """The class's builder options: its own values, else the build section's."""
-    workspace = klass.workspace_mb or cfg.build.workspace_mb
-    opt_level = klass.opt_level if klass.opt_level is not None else cfg.build.opt_level
-    return Options(cfg.build.precision, workspace, opt_level, klass.dla_core)
-
-
-def key_parts(ctx: Context, klass: BuildClass, version: str, options: Options) -> dict[str, Any]:
-    """What the engine depends on: the engine cache key."""
-    onnx = ctx.run.path / onnx_plan(version, options, ctx.run.path).onnx
-    return {
-        "onnx_sha256": sha256_file(onnx),
-        "tensorrt": version,
-        "class": klass.name,
-        "shapes": ctx.profile.to_dict(),
-        **options.key(),
-    }
 
 
 def build_class(ctx: Context, klass: BuildClass) -> dict[str, Any]:
@@ -139,31 +118,38 @@ def _here(
     ctx: Context, klass: BuildClass, version: str, exe: str | None, named_by_build: bool = False
 ) -> dict[str, Any]:
     """Build with trtexec `exe` here, or the Python API when `exe` is None; `version` is the builder's TensorRT."""
-    options = options_for(ctx.cfg, klass)
+    options = options_for(ctx.cfg.build, klass)
     hit = _reuse(ctx, klass, version, options)
     if hit is not None:
         return hit
     with _staging(ctx, klass) as workdir:
-        job = _job(ctx, klass, workdir, version, options)
+        job = engine_job.new_job(ctx.cfg.build, ctx.run.path, workdir, ctx.profile, klass.name, version, options)
         ctx.log(f"[build] {klass.name}: building on this host with {klass.builder} (TensorRT {version or '?'})")
-        started = time.perf_counter()
-        built, runner = _build_here(ctx, job, exe)
-        seconds = time.perf_counter() - started
-        checks = asyncio.run(_verify(ctx, runner, job))
+        if exe is not None:
+            built, checks, seconds = asyncio.run(_verified(ctx, Local(exe, workdir), job))
+        else:
+            started = time.perf_counter()
+            built = python_api.build(ctx.run.path, workdir, ctx.profile, options, ctx.log)
+            seconds = time.perf_counter() - started
+            checks = asyncio.run(_verify_python_api(ctx, job))
         if named_by_build:
             klass = _named_by(klass, built)
         return _publish(ctx, klass, job, built, checks, seconds)
 
 
-def _build_here(ctx: Context, job: Job, exe: str | None) -> tuple[Built, Local | None]:
-    """The engine's facts and the runner that verifies it (None: no trtexec here to verify with)."""
-    if exe is not None:
-        runner = Local(exe, job.staging)
-        return asyncio.run(engine_job.build(runner, job)), runner
-    built = python_api.build(ctx.run.path, job.staging, ctx.profile, job.options, ctx.log)
-    # The Python API does not run engines the way trtexec does: build.trtexec verifies it when this host has one.
+async def _verified(ctx: Context, runner: Runner, job: Job) -> tuple[Built, dict[str, Any], float]:
+    return await engine_job.build_and_verify(runner, job, ctx.cfg.build.verify, ctx.run.path / SAMPLE)
+
+
+async def _verify_python_api(ctx: Context, job: Job) -> dict[str, Any]:
+    """The Python API does not run engines the way trtexec does: build.trtexec verifies it when this host has one."""
     verifier = shutil.which(ctx.cfg.build.trtexec)
-    return built, Local(verifier, job.staging) if verifier else None
+    if not ctx.cfg.build.verify:
+        return {"checked": False, "reason": "build.verify = false"}
+    if verifier is None:
+        return {"checked": False, "reason": f"no trtexec here ({ctx.cfg.build.trtexec!r}) to verify with"}
+    sample = ctx.run.path / SAMPLE
+    return await engine_job.check(Local(verifier, job.staging), job, sample if sample.is_file() else None)
 
 
 def _named_by(klass: BuildClass, built: Built) -> BuildClass:
@@ -174,7 +160,7 @@ def _named_by(klass: BuildClass, built: Built) -> BuildClass:
 
 
 async def _on_device(ctx: Context, klass: BuildClass, target: SshTarget) -> dict[str, Any]:
-    options = options_for(ctx.cfg, klass)
+    options = options_for(ctx.cfg.build, klass)
     try:
         async with Device(target, command_timeout_s=ctx.cfg.build.timeout_s) as device:
             facts = parse_facts((await device.run(probe_script(target.root), timeout_s=30)).stdout)
@@ -184,15 +170,15 @@ async def _on_device(ctx: Context, klass: BuildClass, target: SshTarget) -> dict
             if hit is not None:
                 return hit
             with _staging(ctx, klass) as workdir:
-                job = _job(ctx, klass, workdir, version, options)
-                runner = Remote(device, klass.device_trtexec, f"/tmp/edge-build-{os.getpid()}-{klass.name}")
+                build_cfg, run_path, profile = ctx.cfg.build, ctx.run.path, ctx.profile
+                job = engine_job.new_job(
+                    build_cfg, run_path, workdir, profile, klass.name, version, options, facts.jetpack
+                )
+                runner = Remote(device, klass.device_trtexec)
                 await runner.open()
                 try:
                     ctx.log(f"[build] {klass.name}: building on {target.name} (TensorRT {version})")
-                    started = time.perf_counter()
-                    built = await engine_job.build(runner, job)
-                    seconds = time.perf_counter() - started
-                    checks = await _verify(ctx, runner, job)
+                    built, checks, seconds = await _verified(ctx, runner, job)
                 finally:
                     await runner.close()
                 return _publish(ctx, klass, job, built, checks, seconds)
@@ -214,124 +200,32 @@ def _target(cfg: Config, klass: BuildClass) -> SshTarget:
     raise PipelineError(f"build.classes: {klass.name}: target {klass.target!r} is not in {cfg.deploy.inventory}")
 
 
-def _job(ctx: Context, klass: BuildClass, workdir: Path, version: str, options: Options) -> Job:
-    seed = cache.timing_cache(ctx.cfg.build.cache_dir, klass.name)
-    if seed.is_file():
-        shutil.copyfile(seed, workdir / engine_job.CACHE)
-    return Job(klass.name, ctx.run.path, workdir, ctx.profile, options, version, ctx.cfg.build.timeout_s)
-
-
 def _reuse(ctx: Context, klass: BuildClass, version: str, options: Options) -> dict[str, Any] | None:
-    """Copy the cached engine in when the key matches; None on a miss."""
-    key = cache.engine_key(key_parts(ctx, klass, version, options))
-    entry = cache.lookup(ctx.cfg.build.cache_dir, klass.name, key)
-    if entry is None:
+    """Copy the cached engine in when the key matches (and it is verified, when build.verify asks); None on a miss."""
+    key = cache.engine_key(cache.key_parts(ctx.run.path, klass.name, version, options, ctx.profile))
+    info = publish.from_cache(ctx.cfg.build.cache_dir, klass.name, key, ctx.engines / klass.name, ctx.cfg.build.verify)
+    if info is None:
         return None
-    info = {**_read_info(entry), "cache": "hit"}
-    if ctx.cfg.build.verify and not info.get("verification", {}).get("loads"):
-        return None  # built with build.verify = false: rebuild so that it is verified
-    dest = ctx.engines / klass.name
-    dest.mkdir(parents=True, exist_ok=True)
-    with atomic_path(dest / PLAN) as tmp:
-        shutil.copyfile(entry / PLAN, tmp)
-    write_json(dest / BUILD_INFO, info)
     ctx.log(f"[build] {klass.name}: engine cache hit ({key})")
     return _row(info, "cached")
 
 
-def _read_info(entry: Path) -> dict[str, Any]:
-    info = read_json(entry / BUILD_INFO)
-    if not isinstance(info, dict):
-        raise PipelineError(f"{entry / BUILD_INFO}: not a JSON object (delete the entry)")
-    return info
-
-
-async def _verify(ctx: Context, runner: Local | Remote | None, job: Job) -> dict[str, Any]:
-    """Verify where the engine was built; `runner` None: no trtexec here to verify with."""
-    if not ctx.cfg.build.verify:
-        return {"checked": False, "reason": "build.verify = false"}
-    if runner is None:
-        return {"checked": False, "reason": f"no trtexec here ({ctx.cfg.build.trtexec!r}) to verify with"}
-    sample = ctx.run.path / SAMPLE
-    return await engine_job.check(runner, job, sample if sample.is_file() else None)
-
-
-@contextmanager
-def _staging(ctx: Context, klass: BuildClass) -> Iterator[Path]:
-    """A fresh staging directory for one class, removed afterwards. A build failing with a trtexec log keeps the
-    log as `engines/<class>/build-failed.log` and raises the error again with that path; a success removes it."""
+def _staging(ctx: Context, klass: BuildClass) -> contextlib.AbstractContextManager[Path]:
+    """A fresh staging directory for one class; a failed build's trtexec log is kept as
+    `engines/<class>/build-failed.log` (the class as named when the build started)."""
     path = ctx.engines / f".staging-{os.getpid()}-{klass.name}"
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
-    failed_log = ctx.engines / klass.name / FAILED_LOG
-    try:
-        yield path
-    except PipelineError as err:
-        log = path / engine_job.LOG
-        if not log.is_file():
-            raise
-        failed_log.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(log, failed_log)
-        raise PipelineError(f"{err} (full log: {failed_log})") from None
-    else:
-        failed_log.unlink(missing_ok=True)
-        # Empty when it held nothing but that log: this host's `local`, before its build named the class.
-        with contextlib.suppress(OSError):
-            failed_log.parent.rmdir()
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+    return publish.staging(path, ctx.engines / klass.name / FAILED_LOG)
 
 
 def _publish(
     ctx: Context, klass: BuildClass, job: Job, built: Built, checks: dict[str, Any], seconds: float
 ) -> dict[str, Any]:
     """Store the verified engine in the engine cache and move it into engines/<class>/ (build.json last)."""
-    info = _build_info(ctx, klass, job, built, checks, seconds)
-    write_json(job.staging / BUILD_INFO, info)
-    files = {PLAN: job.staging / PLAN, BUILD_INFO: job.staging / BUILD_INFO}
-    cache.store(ctx.cfg.build.cache_dir, klass.name, info["cache_key"], files)
-    cache.keep_timing_cache(job.staging / engine_job.CACHE, ctx.cfg.build.cache_dir, klass.name)
+    info = engine_job.build_info(job, klass, built, checks, seconds)
     dest = ctx.engines / klass.name
-    dest.mkdir(parents=True, exist_ok=True)
-    for src, name in ((PLAN, PLAN), (engine_job.CACHE, engine_job.CACHE), (engine_job.LOG, "build.log")):
-        if (job.staging / src).is_file():
-            publish(job.staging / src, dest / name)
-    info["cache"] = "miss"
-    write_json(dest / BUILD_INFO, info)
+    info = publish.publish_engine(job.staging, info, ctx.cfg.build.cache_dir, dest)
     ctx.log(f"[build] {klass.name}: built ({(dest / PLAN).stat().st_size / 1e6:.2f} MB), cache miss")
     return _row(info, "built")
-
-
-def _build_info(
-    ctx: Context, klass: BuildClass, job: Job, built: Built, checks: dict[str, Any], seconds: float
-) -> dict[str, Any]:
-    """build.json of a freshly built engine (the engine cache adds `cache` when it publishes it)."""
-    key_dict = key_parts(ctx, klass, job.version, job.options)
-    return {
-        "class": klass.name,
-        "builder": klass.builder,
-        "target": klass.target or None,
-        "tensorrt_version": built.tensorrt_version or job.version,
-        "sm": klass.sm or built.sm,
-        "l4t": klass.l4t or None,
-        "precision": job.options.precision,
-        "onnx": built.onnx,
-        "precision_flags": built.precision_flags,
-        "fp16_flag": built.fp16,
-        "workspace_mb": job.options.workspace_mb,
-        "opt_level": job.options.opt_level,
-        "dla_core": job.options.dla_core,
-        "input": ctx.profile.name,
-        "shapes": ctx.profile.to_dict(),
-        "command": shlex.join(built.command) if built.command else None,
-        "notes": built.notes,
-        "seconds": round(seconds, 3),
-        "onnx_sha256": key_dict["onnx_sha256"],
-        "engine_sha256": sha256_file(job.staging / PLAN),
-        "cache_key": cache.engine_key(key_dict),
-        "verification": checks,
-        "latency": checks.get("latency", {}),
-    }
 
 
 def _row(info: dict[str, Any], status: str) -> dict[str, Any]:

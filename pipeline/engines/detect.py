@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Literal
 
 from pipeline.config import BuildClass, BuildConfig
-from pipeline.engines import python_api, trtexec
+from pipeline.engines import python_api
 from pipeline.errors import PipelineError
 from pipeline.fleet.classes import device_class
 from pipeline.host import local_sm, python_api_problem
+from pipeline.trt import trtexec
 
 Builder = Literal["python", "trtexec"]
 

@@ -1,4 +1,8 @@
-"""Engine builds with the TensorRT Python API (needs `import tensorrt` and a CUDA GPU)."""
+"""Engine builds with the TensorRT Python API (needs `import tensorrt` and a CUDA GPU).
+
+Which flags a version takes is pipeline.trt.flags (`python_api_flags`); the calls it makes are checked in
+docs/tensorrt.md#python-api-build-calls.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +10,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline.engines import flags
-from pipeline.engines.built import Built
-from pipeline.engines.flags import Options
-from pipeline.engines.profile import Profile
 from pipeline.errors import PipelineError
 from pipeline.host import local_sm
 from pipeline.layout import PLAN
+from pipeline.trt import flags
+from pipeline.trt.built import Built
+from pipeline.trt.flags import Options
+from pipeline.trt.profile import Profile
 
 
 def tensorrt_version() -> str:
@@ -62,15 +66,14 @@ def build(
         raise PipelineError(f"{onnx}: TensorRT {version} failed to build an engine (see its log above)")
     (staging / PLAN).write_bytes(bytes(serialized))
     cache_path.write_bytes(bytes(config.get_timing_cache().serialize()))
-    fp16 = "FP16" in wanted["builder"]
-    return Built(version, local_sm(), fp16, None, chosen.onnx, wanted["builder"], notes)
+    return Built(version, local_sm(), chosen.precision, None, chosen.onnx, wanted["builder"], notes)
 
 
 def _set_levels(trt: Any, config: Any, version: str, options: Options) -> list[str]:
     """Optimisation level and DLA core; returns notes on what this version lacks."""
     notes = []
     if options.opt_level is not None:
-        if flags.version_tuple(version) >= (8, 6):
+        if flags.version_tuple(version) >= flags.OPT_LEVEL_SINCE:
             config.builder_optimization_level = options.opt_level
         else:
             notes.append(f"builder_optimization_level {options.opt_level} ignored: TensorRT {version} predates 8.6")

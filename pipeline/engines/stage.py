@@ -19,13 +19,13 @@ from typing import Any
 from pipeline.config import BuildClass, Config
 from pipeline.engines import build
 from pipeline.engines.detect import Host, choose, probe_host
-from pipeline.engines.profile import input_profile
 from pipeline.errors import PipelineError, TransientError
 from pipeline.files import write_json
 from pipeline.fleet.classes import from_inventory
 from pipeline.fleet.inventory import load_inventory
 from pipeline.layout import CLASSES, ONNX
 from pipeline.manifest import RunDir, Stage, StageResult, run_stage
+from pipeline.trt.profile import input_profile
 
 
 def run(cfg: Config, run: RunDir, log: Callable[[str], None] = print) -> StageResult:

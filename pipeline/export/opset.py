@@ -18,11 +18,12 @@ TENSORRT_MAX_OPSET: tuple[tuple[tuple[int, int], int], ...] = (
     ((9, 0), 19),
     ((10, 0), 20),
     ((10, 15), 24),
-    ((11, 0), 24),
+    ((11, 0), 25),
 )
-"""(first TensorRT version, highest opset its ONNX parser accepts), from onnx-tensorrt's docs/operators.md per
-release branch ("TensorRT 8.5 supports operators up to Opset 17", 8.6: 17, 9.2: 19, 10.15 and 11.x: 9 to 24).
-10.x before 10.15 is held at 20, what its parsers were documented for; later releases may accept more."""
+"""(first TensorRT version, highest opset its ONNX parser accepts), per docs/tensorrt.md#onnx-opsets-per-release:
+onnx-tensorrt's docs/operators.md per release branch for 8.2 to 10.1 (confirmed), NVIDIA's ONNX opset guide for 11.x
+(25, confirmed). 10.2 to 10.14 are held at 20, what 10.0 and 10.1 document (not confirmed for them); 10.15's 24 was
+seen in a text whose repository was not named (not confirmed)."""
 
 # Opset 18 gave these reductions `noop_with_empty_axes` (ReduceSum had it since 13); the converter keeps it.
 _REDUCE_GAINED_NOOP_IN_18 = {

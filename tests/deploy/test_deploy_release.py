@@ -13,6 +13,7 @@ import pytest
 from pipeline import deploy
 from pipeline.config import Config, DeployConfig, LocalTarget
 from pipeline.deploy.release import release_id, sums_text
+from pipeline.deploy.stage import local_release
 from pipeline.errors import PipelineError
 from pipeline.fleet.names import safe_name
 from pipeline.manifest import RunDir, StageResult
@@ -28,15 +29,55 @@ def test_unsafe_names_are_refused(name: str):
         safe_name(name, "test")
 
 
-def test_release_id_and_sums(tmp_path: Path):
-    onnx = tmp_path / "m.onnx"
-    onnx.write_bytes(b"model")
-    expected = "20261202-101500-ab12-" + hashlib.sha256(b"model").hexdigest()[:8]
-    assert release_id("20261202-101500-ab12", onnx) == expected
-    with pytest.raises(PipelineError, match="release id"):
-        release_id("my run", onnx)
+def test_release_id_and_sums():
     digest = "ab" * 32
-    assert sums_text({"b.txt": digest, "a.txt": digest}) == f"{digest}  a.txt\n{digest}  b.txt\n"
+    sums = sums_text({"b.txt": digest, "a.txt": digest})
+    assert sums == f"{digest}  a.txt\n{digest}  b.txt\n"
+    sums_digest = hashlib.sha256(sums.encode()).hexdigest()
+    assert release_id("20261202-101500-ab12", sums_digest) == f"20261202-101500-ab12-{sums_digest[:8]}"
+    with pytest.raises(PipelineError, match="release id"):
+        release_id("my run", sums_digest)
+
+
+def test_the_id_names_every_file_and_the_engine_too(make_run: MakeRun, onnx_models: list[Path]):
+    """Same ONNX, another engine (TensorRT builds are not byte-identical): another id. Same files: the same id."""
+    run = make_run("run-i", onnx_models[0])
+    _record_engine(run, "local-sm87-trt10.3.0")
+    first = local_release(run).id
+    assert local_release(run).id == first
+    (run.path / "engines/local-sm87-trt10.3.0/model.plan").write_bytes(b"rebuilt engine bytes")
+    rebuilt = local_release(run).id
+    assert rebuilt != first and rebuilt.startswith("run-i-")
+
+
+def test_stale_files_in_an_interrupted_part_are_not_promoted(
+    tmp_path: Path, deploy_cfg: MakeConfig, make_run: MakeRun, onnx_models: list[Path]
+):
+    run = make_run("run-s", onnx_models[0])
+    rid = local_release(run).id
+    part = tmp_path / "device" / "releases" / f"{rid}.part"
+    part.mkdir(parents=True)
+    (part / "model.plan").write_bytes(b"an engine this release does not list")
+    (part / "model.onnx.tmp").write_bytes(b"half an upload")
+    (part / ".hidden").write_text("x")
+    deploy.run(deploy_cfg(), run, **QUIET)
+    release = tmp_path / "device" / "releases" / rid
+    assert sorted(p.name for p in release.iterdir() if p.name != ".order") == sorted(
+        ["model.onnx", "model.json", "labels.txt", "sample.npz", "activate.sh", "SHA256SUMS"]
+    )
+    assert not part.exists()
+
+
+def test_engine_paths_from_the_manifest_stay_inside_the_run(
+    tmp_path: Path, deploy_cfg: MakeConfig, make_run: MakeRun, onnx_models: list[Path]
+):
+    run = make_run("run-o", onnx_models[0])
+    (tmp_path / "elsewhere.plan").write_bytes(b"not this run's")
+    outputs = {"engine": "../../elsewhere.plan", "build_info": "engines/x/build.json"}
+    run.record(StageResult("build", "done", outputs=outputs), {})
+    with pytest.raises(PipelineError, match=r"build output '\.\./\.\./elsewhere\.plan' is outside the run directory"):
+        deploy.run(deploy_cfg(), run, **QUIET)
+    assert not (tmp_path / "device" / "releases").exists()
 
 
 def test_links_that_are_not_releases_are_refused(

@@ -86,11 +86,19 @@ def test_redeploying_the_same_release_copies_nothing(
     assert row["status"] == "ACTIVE" and row["bytes_sent"] == 0
     assert {p: p.stat().st_mtime_ns for p in (root / "releases").rglob("*") if p.is_file()} == before
 
-    # A tampered installed copy is not trusted: it is replaced by a verified one.
-    (root / "releases" / row["release"] / "model.json").write_text("{}")
+    # A tampered live copy is never rewritten by a deploy (the service may be reading it): refused, left as it is.
+    live = root / "releases" / row["release"]
+    (live / "model.json").write_text("{}")
+    with pytest.raises(PipelineError, match=r"VERIFY_FAILED: releases/run-a-\w+ is live and does not match"):
+        deploy.run(cfg, run, **QUIET)
+    assert (live / "model.json").read_text() == "{}" and link(root, "current") == f"releases/{row['release']}"
+
+    # Once it is not live any more, the same deploy replaces it with a verified copy.
+    other = deploy.run(cfg, make_run("run-b", onnx_models[1]), **QUIET).metrics["release"]
+    assert link(root, "previous") == f"releases/{row['release']}"
     deploy.run(cfg, run, **QUIET)
     (row,) = json.loads((run.path / "deploy/results.json").read_text())["targets"]
-    assert row["bytes_sent"] > 0 and verifies(root / "releases" / row["release"])
+    assert row["files_reused"] > 0 and verifies(live) and (row["previous"], row["status"]) == (other, "ACTIVE")
 
 
 def test_failing_health_check_keeps_the_good_release(

@@ -11,7 +11,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +20,14 @@ from typer.testing import CliRunner
 
 from pipeline import deploy
 from pipeline.cli import app
-from pipeline.config import Config, DeployConfig, LocalTarget
+from pipeline.config import BuildConfig, Config, DeployConfig, LocalTarget
 from pipeline.deploy import remote, ssh_fleet
 from pipeline.deploy.result import TargetResult
 from pipeline.errors import PipelineError, TransientError
 from pipeline.fleet.inventory import load_inventory
 from pipeline.fleet.ssh import Device
 from pipeline.manifest import RunDir, StageResult
-from tests.harness import XAVIER_NX_JP513, JetsonFleet, JetsonTarget, TargetSpec, fixtures, make_plan
+from tests.harness import AGX_ORIN_JP62, XAVIER_NX_JP513, JetsonFleet, JetsonTarget, TargetSpec, fixtures, make_plan
 
 pytest.importorskip("asyncssh")
 
@@ -57,7 +57,9 @@ def record_engine(run: RunDir, size: int = 4096, classes: tuple[str, ...] = (ORI
 
 
 def fleet_cfg(fleet: JetsonFleet, **inventory: Any) -> Config:
-    return Config(deploy=DeployConfig(inventory=fleet.write_inventory(**inventory)))
+    """The fleet's inventory; install-time builds keep their engines in the fleet's own engine cache."""
+    build = BuildConfig(cache_dir=fleet.dir / "engine-cache", timeout_s=60)
+    return Config(build=build, deploy=DeployConfig(inventory=fleet.write_inventory(**inventory)))
 
 
 def results(run: RunDir) -> dict[str, dict[str, Any]]:
@@ -159,22 +161,36 @@ def test_rollout_probe_redeploy_and_second_release(jetson_fleet, two_runs: tuple
     assert intact(fleet["orin-03"], a) and links(fleet["orin-02"]) == (b, a)
 
 
-def test_engine_for_another_class_and_too_little_space_are_refused(jetson_fleet, two_runs, make_run, onnx_models):
-    fleet = jetson_fleet([TargetSpec("orin-01"), TargetSpec("nx-01", board=XAVIER_NX_JP513), TargetSpec("tiny")])
+def test_without_tensorrt_or_space_a_device_is_refused_the_others_get_their_class_engine(
+    jetson_fleet, two_runs, make_run, onnx_models
+):
+    bare = replace(AGX_ORIN_JP62, packages={"nvidia-jetpack": "6.2+b77"})  # no TensorRT package
+    specs = [TargetSpec("orin-01"), TargetSpec("nx-01", board=XAVIER_NX_JP513), TargetSpec("bare", board=bare)]
+    fleet = jetson_fleet([*specs, TargetSpec("tiny")])
     cfg = fleet_cfg(fleet, policy={"canary": 0, "max_failure_pct": 100})
     plain = make_run("run-plain", onnx_models[0])
-    a = deploy_ok(cfg, plain)  # ONNX only: every class takes it
+    deploy_ok(cfg, plain)  # no engines in the run: each class is built on its first device; `bare` gets ONNX only
+    rows = results(plain)
+    assert sorted(r["built_on_device"] for r in rows.values()) == [False, False, True, True]  # orin-01, tiny: 1 class
+    assert rows["bare"]["device_class"] == "orin-sm87-trt?" and not (fleet["bare"].disk / "current/model.plan").exists()
     fleet["tiny"].resize_disk("300k")  # the release (~250 kB, no 2x headroom left)
-    with pytest.raises(PipelineError, match="2 of 3 targets not active") as err:
+    with pytest.raises(PipelineError, match="2 of 4 targets not active") as err:
         deploy.run(cfg, two_runs[0], **QUIET)
-    assert not isinstance(err.value, TransientError)  # a refused host key will not change on a retry
+    assert not isinstance(err.value, TransientError)  # a refusal will not change on a retry
     rows = results(two_runs[0])
-    assert rows["orin-01"]["status"] == "ACTIVE"
-    assert rows["nx-01"]["status"] == "REFUSED" and rows["nx-01"]["bytes_sent"] == 0
-    assert rows["nx-01"]["reason"].startswith(f"engine built for {ORIN}, device is xavier-sm72-trt8.5.2")
+    assert rows["orin-01"]["status"] == "ACTIVE" and not rows["orin-01"]["built_on_device"]  # the run's engine
+    # No engine for its class in this run: the one its device built for the plain run (same ONNX), from the cache.
+    nx_builds = [c for c in fleet["nx-01"].standins.calls("trtexec") if any(a.startswith("--onnx=") for a in c)]
+    assert rows["nx-01"]["status"] == "ACTIVE" and not rows["nx-01"]["built_on_device"] and len(nx_builds) == 1
+    assert rows["bare"]["status"] == "REFUSED" and rows["bare"]["bytes_sent"] == 0
+    assert rows["bare"]["reason"].startswith(f"engine built for {ORIN}") and rows["bare"]["reason"].endswith(
+        "device is orin-sm87-trt? (NVIDIA Jetson AGX Orin Developer Kit, no TensorRT package): it can neither build "
+        "nor load one"
+    )
     assert rows["tiny"]["status"] == "REFUSED" and "< 2x the release" in rows["tiny"]["reason"]
     assert rows["tiny"]["bytes_sent"] == 0
-    for name in ("nx-01", "tiny"):
+    for name in ("bare", "tiny"):
+        a = results(plain)[name]["release"]
         assert intact(fleet[name], a) and links(fleet[name]) == (a, "")
         assert sorted(os.listdir(fleet[name].disk / "releases")) == [a]
 
@@ -182,8 +198,9 @@ def test_engine_for_another_class_and_too_little_space_are_refused(jetson_fleet,
     both = make_run("run-both", onnx_models[1])
     record_engine(both, classes=(ORIN, NX))
     cfg = fleet_cfg(fleet, names=["orin-01", "nx-01"], policy={"canary": 0})
-    c = deploy_ok(cfg, both)
+    deploy_ok(cfg, both)
     for name, klass in (("orin-01", ORIN), ("nx-01", NX)):
+        c = results(both)[name]["release"]  # each variant has its own id: its engine differs
         engine = (fleet[name].disk / "releases" / c / "model.plan").read_bytes()
         assert engine == (both.path / "engines" / klass / "model.plan").read_bytes() and intact(fleet[name], c)
     assert sorted(json.loads((both.path / "deploy/plan.json").read_text())["variants"]) == [ORIN, NX]
@@ -198,6 +215,33 @@ def test_failing_preflight_keeps_the_previous_release(jetson_fleet, two_runs):
         deploy.run(cfg, two_runs[1], **QUIET)
     assert intact(fleet["orin-01"], a) and links(fleet["orin-01"]) == (a, "")
     assert os.listdir(fleet["orin-01"].disk / "releases") == [a]  # the failed release was removed
+
+
+def files_on(target: JetsonTarget) -> str:
+    """sha256 and name of every file under the device's releases/ and the links, as the device sees them."""
+    listing = "cd /opt/edge && find releases -type f | sort | xargs sha256sum && ls -l current previous 2>&1"
+    return target.run(listing, check=False).stdout
+
+
+def test_a_rebuilt_engine_is_a_new_release_and_never_touches_the_live_one(jetson_fleet, make_run, onnx_models):
+    """Same ONNX, engine rebuilt (TensorRT builds are not byte-identical): a new id, so a failing preflight leaves
+    every device on its release, byte for byte."""
+    fleet = jetson_fleet(2)
+    cfg = fleet_cfg(fleet, policy={"canary": 0})
+    run = make_run("run-r", onnx_models[0])
+    record_engine(run)
+    a = deploy_ok(cfg, run)
+    before = {t.name: files_on(t) for t in fleet}
+    engine = run.path / f"engines/{ORIN}/model.plan"
+    engine.write_bytes(make_plan("10.3.0.30", {"soc": "nvidia,tegra234", "rebuilt": True}, 4096))
+    for target in fleet:
+        target.standins.set_trtexec(load_exit=1, error="Error[1]: engine deserialization failed")
+    with pytest.raises(PipelineError, match=r"2 of 2 targets not active: .*PREFLIGHT_FAILED"):
+        deploy.run(cfg, run, **QUIET)
+    rows = results(run)
+    assert {r["release"] for r in rows.values()} != {a} and all(r["current"] == a for r in rows.values())
+    for target in fleet:
+        assert files_on(target) == before[target.name] and intact(target, a) and links(target) == (a, "")
 
 
 def test_service_failing_after_the_switch_rolls_back(jetson_fleet, two_runs):

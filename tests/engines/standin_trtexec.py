@@ -11,6 +11,7 @@ Modes: ok, parse_error, oom, perturb (outputs off by 0.5), wrong_plan (plan says
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -18,6 +19,12 @@ from pathlib import Path
 
 STATE = Path(os.environ["STANDIN_TRTEXEC_STATE"])
 MAGIC = b"STAND-IN TRT ENGINE\n"
+# The option matrix is the device stand-in's (one table for both), loaded by path: importing the `tests.harness`
+# package would start pytest's machinery at every call.
+_TOOLS = importlib.util.spec_from_file_location("standin_tools", Path(__file__).parents[1] / "harness/standin_tools.py")
+assert _TOOLS is not None and _TOOLS.loader is not None
+standin_tools = importlib.util.module_from_spec(_TOOLS)
+_TOOLS.loader.exec_module(standin_tools)
 
 
 def knobs() -> dict[str, str]:
@@ -32,21 +39,6 @@ def packed(version: str) -> str:
 
 def log(level: str, text: str) -> None:
     print(f"[12/02/2026-12:00:00] [{level}] {text}", flush=True)
-
-
-def unknown_options(args: dict[str, str], version: tuple[int, int]) -> list[str]:
-    removed = []
-    if version >= (10, 0):
-        removed += ["workspace", "buildOnly"]
-    if version >= (11, 0):
-        removed += ["fp16", "int8", "bf16"]
-    if version < (8, 4):
-        removed += ["memPoolSize"]
-    if version < (8, 6):
-        removed += ["builderOptimizationLevel", "skipInference"]
-    if version < (10, 0):
-        removed += ["getPlanVersionOnly", "stronglyTyped"]
-    return [key for key in args if key in removed]
 
 
 def build(args: dict[str, str], version: str, mode: str) -> int:
@@ -121,9 +113,9 @@ def main(argv: list[str]) -> int:
         return 0
     with (STATE / "calls.jsonl").open("a") as fh:
         fh.write(json.dumps(argv) + "\n")
-    bad = unknown_options(args, tuple(int(p) for p in version.split(".")[:2]))
-    if bad:
-        log("E", f"Unknown option: --{bad[0]}")
+    refused = standin_tools.refusal(args, version)
+    if refused:
+        log("E", refused)
         return 1
     rc = load(args, version, mode) if "loadEngine" in args else build(args, version, mode)
     print(f"&&&& {'PASSED' if rc == 0 else 'FAILED'} TensorRT.trtexec [TensorRT v{packed(version)}]", flush=True)

@@ -13,10 +13,10 @@ import pytest
 
 from pipeline import engines
 from pipeline.config import BuildClass, BuildConfig, Config, ExportConfig
-from pipeline.engines import verify
 from pipeline.errors import PipelineError
 from pipeline.host import python_api_problem
 from pipeline.manifest import RunDir
+from pipeline.trt import verify
 from tests.engines.standins import StandinTrtexec
 
 MakeRun = Callable[[Config], RunDir]
@@ -57,7 +57,7 @@ def test_class_build_verifies_against_onnx_runtime(
     built = info(run)
     assert built["tensorrt_version"] == "10.3.0" and built["cache"] == "miss" and built["onnx"] == "onnx/model.onnx"
     args = tool.builds()[0]
-    assert "--fp16" in args and "--memPoolSize=workspace:256M" in args and "--builderOptimizationLevel=4" in args
+    assert "--fp16" in args and "--memPoolSize=workspace:256" in args and "--builderOptimizationLevel=4" in args
     checks = built["verification"]
     assert checks["plan_version"] == "10.3.0" and checks["loads"] is True
     assert checks["outputs"]["checked"] and checks["outputs"]["passed"] and checks["outputs"]["max_abs_diff"] < 1e-5
@@ -149,6 +149,15 @@ def test_int8_before_11_uses_the_qdq_file_with_int8_flag(
     assert built["onnx"] == "onnx/model.int8.onnx" and "--int8" in tool.builds()[0]
     assert "plan_version" not in built["verification"]  # --getPlanVersionOnly does not exist before 10
     assert not [a for a in tool.calls() if "--getPlanVersionOnly" in a]
+
+
+def test_plan_version_is_checked_from_9_1(make_run: MakeRun, standin: Callable[..., StandinTrtexec], tmp_path: Path):
+    tool = standin("9.1.0")
+    name = "orin-sm87-trt9.1.0"
+    cfg = config(tmp_path, klass(tool, name=name, tensorrt="9.1"))
+    engines.run(cfg, make_run(cfg), **QUIET)
+    assert "--skipInference" in tool.builds()[0] and "--buildOnly" not in tool.builds()[0]
+    assert [a for a in tool.calls() if "--getPlanVersionOnly" in a]
 
 
 @pytest.mark.parametrize(

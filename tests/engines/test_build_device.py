@@ -57,7 +57,7 @@ def test_fleet_classes_are_built_on_their_devices(make_run: MakeRun, jetson_flee
         built_with, meta = plan
         assert built_with == version and meta["soc"] == soc and meta["hostname"] == target
         assert meta["onnx_sha256"] == onnx_sha
-        assert "--memPoolSize=workspace:512M" in meta["argv"] and "--fp16" in meta["argv"]
+        assert "--memPoolSize=workspace:512" in meta["argv"] and "--fp16" in meta["argv"]
         calls = fleet[target].standins.calls("trtexec")
         assert all(argv[0] == "/usr/src/tensorrt/bin/trtexec" for argv in calls)
         assert fleet[target].run("ls /tmp", check=False).stdout.strip() == ""  # the work directory is gone

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
-from pipeline.engines import flags
-from pipeline.engines.flags import Options
-from pipeline.engines.profile import Profile
 from pipeline.errors import PipelineError
+from pipeline.trt import flags
+from pipeline.trt.flags import Options
+from pipeline.trt.profile import Profile
 
 PROFILE = Profile((1, 16, 16), opt=8, max=32)
 
@@ -33,15 +34,15 @@ def args_for(version: str, precision: str, run_path: Path, **options: int) -> tu
     ("version", "precision", "onnx", "precision_flags", "workspace", "build_only"),
     [
         ("8.2.1", "fp16", "onnx/model.onnx", ["--fp16"], "--workspace=512", "--buildOnly"),
-        ("8.5.2", "fp16", "onnx/model.onnx", ["--fp16"], "--memPoolSize=workspace:512M", "--buildOnly"),
-        ("8.5.2", "int8", "onnx/model.int8.onnx", ["--int8"], "--memPoolSize=workspace:512M", "--buildOnly"),
-        ("8.6.2", "fp16", "onnx/model.onnx", ["--fp16"], "--memPoolSize=workspace:512M", "--skipInference"),
-        ("10.3.0", "fp32", "onnx/model.onnx", [], "--memPoolSize=workspace:512M", "--skipInference"),
-        ("10.3.0", "fp16", "onnx/model.onnx", ["--fp16"], "--memPoolSize=workspace:512M", "--skipInference"),
-        ("10.3.0", "int8", "onnx/model.int8.onnx", ["--int8"], "--memPoolSize=workspace:512M", "--skipInference"),
-        ("11.0.0", "fp16", "onnx/model.fp16.onnx", [], "--memPoolSize=workspace:512M", "--skipInference"),
-        ("11.0.0", "int8", "onnx/model.int8.onnx", [], "--memPoolSize=workspace:512M", "--skipInference"),
-        ("11.0.0", "fp32", "onnx/model.onnx", [], "--memPoolSize=workspace:512M", "--skipInference"),
+        ("8.5.2", "fp16", "onnx/model.onnx", ["--fp16"], "--memPoolSize=workspace:512", "--buildOnly"),
+        ("8.5.2", "int8", "onnx/model.int8.onnx", ["--int8"], "--memPoolSize=workspace:512", "--buildOnly"),
+        ("8.6.2", "fp16", "onnx/model.onnx", ["--fp16"], "--memPoolSize=workspace:512", "--skipInference"),
+        ("10.3.0", "fp32", "onnx/model.onnx", [], "--memPoolSize=workspace:512", "--skipInference"),
+        ("10.3.0", "fp16", "onnx/model.onnx", ["--fp16"], "--memPoolSize=workspace:512", "--skipInference"),
+        ("10.3.0", "int8", "onnx/model.int8.onnx", ["--int8"], "--memPoolSize=workspace:512", "--skipInference"),
+        ("11.0.0", "fp16", "onnx/model.fp16.onnx", [], "--memPoolSize=workspace:512", "--skipInference"),
+        ("11.0.0", "int8", "onnx/model.int8.onnx", [], "--memPoolSize=workspace:512", "--skipInference"),
+        ("11.0.0", "fp32", "onnx/model.onnx", [], "--memPoolSize=workspace:512", "--skipInference"),
     ],
 )
 def test_command_line_per_version(
@@ -59,10 +60,35 @@ def test_optimisation_level_only_from_8_6_and_dla_with_gpu_fallback(run_path: Pa
     _, args, notes = args_for("8.5.2", "fp16", run_path, opt_level=5)
     assert not [a for a in args if a.startswith("--builderOptimizationLevel")]
     assert notes == ["builderOptimizationLevel 5 ignored: TensorRT 8.5.2 predates 8.6"]
-    for version in ("8.6.2", "10.3.0", "11.0.0"):
+    for version in ("8.6.2", "10.3.0", "10.7.0", "11.4.1"):
         _, args, notes = args_for(version, "fp16", run_path, opt_level=5, dla_core=1)
         assert "--builderOptimizationLevel=5" in args and not notes
         assert args[-3:-1] == ["--useDLACore=1", "--allowGPUFallback"]
+
+
+@pytest.mark.parametrize(
+    ("version", "jetpack", "problem"),
+    [
+        ("10.8.0", "", "TensorRT 10.8.0 has no DLA (10.7 was the last release with it; it came back in 11.4.1)"),
+        ("11.0.0", "", "TensorRT 11.0.0 has no DLA"),
+        ("11.3.0", "", "TensorRT 11.3.0 has no DLA"),
+        ("11.4.0", "", "TensorRT 11.4.0 has no DLA"),
+        ("11.4.1", "7.2.1", "TensorRT 11.4.1 has DLA only on JetPack 7.2.2 and later (this device runs JetPack 7.2.1)"),
+    ],
+)
+def test_dla_is_refused_where_the_version_has_none(run_path: Path, version: str, jetpack: str, problem: str):
+    assert flags.dla_problem(version, jetpack).startswith(problem)
+    with pytest.raises(PipelineError, match=rf"^dla_core = 0: {re.escape(problem)}"):
+        flags.plan(version, Options("fp16", 512, dla_core=0), run_path, jetpack)
+    assert flags.plan(version, Options("fp16", 512), run_path, jetpack).precision == "fp16"  # GPU only: fine
+    assert flags.dla_problem("11.4.1", "7.2.2") is None and flags.dla_problem("10.7.0") is None
+
+
+@pytest.mark.parametrize(("precision", "typed"), [("fp32", False), ("fp16", False), ("fp16", True), ("int8", True)])
+def test_the_precision_recorded_is_the_engines(run_path: Path, precision: str, typed: bool):
+    """From TensorRT 11 no flag says fp16: the ONNX variant's types do, and the plan records that precision."""
+    chosen = flags.plan("11.0.0" if typed else "10.3.0", Options(precision, 512), run_path)
+    assert chosen.precision == precision and chosen.strongly_typed is typed
 
 
 def test_missing_variants_name_export_variants(run_path: Path):
@@ -82,8 +108,9 @@ def test_missing_variants_name_export_variants(run_path: Path):
         ("8.6.2", "int8", ["EXPLICIT_BATCH"], ["INT8"]),
         ("10.3.0", "fp16", [], ["FP16"]),
         ("10.3.0", "fp32", [], []),
-        ("11.0.0", "fp16", ["STRONGLY_TYPED"], []),
-        ("11.0.0", "int8", ["STRONGLY_TYPED"], []),
+        ("10.12.0", "fp16", [], ["FP16"]),
+        ("11.0.0", "fp16", [], []),
+        ("11.0.0", "int8", [], []),
     ],
 )
 def test_python_api_flags_per_version(version: str, precision: str, network: list[str], builder: list[str]):

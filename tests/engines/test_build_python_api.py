@@ -17,10 +17,10 @@ import pytest
 from pipeline import engines
 from pipeline.config import BuildConfig, Config
 from pipeline.engines import detect, python_api
-from pipeline.engines.flags import Options
-from pipeline.engines.profile import Profile
 from pipeline.errors import PipelineError
 from pipeline.manifest import RunDir
+from pipeline.trt.flags import Options
+from pipeline.trt.profile import Profile
 
 
 def standin_tensorrt(version: str, parse_ok: bool = True) -> tuple[types.ModuleType, dict[str, Any]]:
@@ -116,7 +116,7 @@ def run_path(tmp_path: Path) -> Path:
         ("8.5.2", "fp16", 1 << 0, ["FP16"], "model.onnx", None),
         ("8.6.2", "int8", 1 << 0, ["INT8"], "model.int8.onnx", 5),
         ("10.3.0", "fp16", 0, ["FP16"], "model.onnx", 5),
-        ("11.0.0", "fp16", 1 << 1, [], "model.fp16.onnx", 5),
+        ("11.0.0", "fp16", 0, [], "model.fp16.onnx", 5),
     ],
 )
 def test_api_calls_per_version(
@@ -142,7 +142,7 @@ def test_api_calls_per_version(
         (8, 1, 16, 16),
         (32, 1, 16, 16),
     )
-    assert built.tensorrt_version == version and built.onnx == f"onnx/{onnx}"
+    assert built.tensorrt_version == version and built.onnx == f"onnx/{onnx}" and built.precision == precision
     assert bool(built.notes) == (opt_level is None)
     assert (run_path / "staging/model.plan").read_bytes() == b"plan"
 

@@ -72,11 +72,11 @@ def test_standin_trtexec_build(
     assert engine.read_bytes() == f"STAND-IN ENGINE for {run.path / 'onnx/model.onnx'}".encode()
     info = json.loads((run.path / result.outputs["build_info"]).read_text())
     assert info["class"] == klass and info["tensorrt_version"] == "10.3.0" and info["builder"] == "trtexec"
-    assert info["precision"] == "fp16" and info["fp16_flag"] is True
+    assert info["precision"] == "fp16" and info["precision_flags"] == ["--fp16"]
     assert info["shapes"] == {"min": [1, 1, 16, 16], "opt": [8, 1, 16, 16], "max": [32, 1, 16, 16]}
     args = shlex.split(info["command"])[1:]
     assert "--minShapes=input:1x1x16x16" in args and "--optShapes=input:8x1x16x16" in args
-    assert "--maxShapes=input:32x1x16x16" in args and "--memPoolSize=workspace:256M" in args
+    assert "--maxShapes=input:32x1x16x16" in args and "--memPoolSize=workspace:256" in args
     assert "--fp16" in args and "--skipInference" in args
     assert any(a.startswith("--timingCacheFile=") and a.endswith("/timing.cache") for a in args)
     assert (run.path / f"engines/{klass}/timing.cache").read_text() == "timing entry\n"
@@ -94,13 +94,16 @@ def test_standin_trtexec_build(
     assert (run.path / f"engines/{klass}/timing.cache").read_text() == "timing entry\n" * 2
 
 
-def test_tensorrt_11_gets_no_fp16_flag(make_run: MakeRun, fake_trtexec: Callable[..., Path], tmp_path: Path):
+def test_tensorrt_11_gets_no_fp16_flag_and_records_fp16(
+    make_run: MakeRun, fake_trtexec: Callable[..., Path], tmp_path: Path
+):
     exe = fake_trtexec(packed="110000")
     cfg = trtexec_config(exe, tmp_path)
     run = make_run(cfg)
     result = engines.run(cfg, run, log=lambda _: None)
     info = json.loads((run.path / result.outputs["build_info"]).read_text())
-    assert info["class"] == "local-sm87-trt11.0.0" and info["fp16_flag"] is False
+    assert info["class"] == "local-sm87-trt11.0.0" and info["precision_flags"] == []
+    assert info["precision"] == "fp16" and info["onnx"] == "onnx/model.fp16.onnx"  # strongly typed: the graph's types
     assert "--fp16" not in calls(exe)[0]
 
 

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from pipeline.engines import trtexec
 from pipeline.errors import PipelineError
+from pipeline.trt import trtexec
+from tests.engines.standins import StandinTrtexec
 
 
 @pytest.mark.parametrize(
@@ -68,3 +70,24 @@ def test_timeout_kills_the_whole_process_group(fake_trtexec: Callable[..., Path]
 def test_probe_reads_the_banner_of_version(fake_trtexec: Callable[..., Path], tmp_path: Path):
     assert trtexec.probe_version(str(fake_trtexec(packed="8601")), tmp_path) == "8.6.1"
     assert trtexec.probe_version(str(tmp_path / "missing"), tmp_path) is None
+
+
+@pytest.mark.parametrize(
+    ("version", "option", "error"),
+    [
+        ("8.5.2", "--skipInference", "Unknown option: --skipInference"),
+        ("8.6.2", "--getPlanVersionOnly", "Unknown option: --getPlanVersionOnly"),
+        ("10.0.0", "--buildOnly", "Unknown option: --buildOnly"),
+        ("10.3.0", "--workspace=512", "Unknown option: --workspace"),
+        ("11.0.0", "--fp16", "Unknown option: --fp16"),
+        ("10.0.1", "--memPoolSize=workspace:1024M", "TensorRT 10.0.1 misreads a unit suffix"),
+        ("11.2.0", "--useDLACore=0", "Cannot create DLA engine, 0 not available"),
+    ],
+)
+def test_the_standin_refuses_what_its_version_lacks(
+    standin: Callable[..., StandinTrtexec], tmp_path: Path, version: str, option: str, error: str
+):
+    """The stand-in follows docs/tensorrt.md's option matrix, so a build passing an option its version lacks fails."""
+    tool = standin(version)
+    out = subprocess.run([str(tool.exe), f"--onnx={tmp_path / 'm.onnx'}", option], capture_output=True, text=True)
+    assert out.returncode == 1 and error in out.stdout

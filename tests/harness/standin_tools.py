@@ -38,10 +38,12 @@ TRTEXEC_DEFAULTS: dict[str, Any] = {
     "delay_s": 0.0,
     "engine_bytes": 4096,
     "error": "",
+    "outputs": {},
 }
 """Knobs of the stand-in trtexec (``trtexec.json``): TensorRT version it claims, exit codes of a build
-(``--onnx``) and of a load (``--loadEngine``), seconds to sleep before either, size of the engines it writes, and
-the error line printed when a forced exit code is non-zero."""
+(``--onnx``) and of a load (``--loadEngine``), seconds to sleep before either, size of the engines it writes, the
+error line printed when a forced exit code is non-zero, and the tensors a load writes to ``--exportOutput`` (name ->
+nested list; none: no file, as the stand-in runs no model)."""
 
 
 def control_dir() -> Path:
@@ -87,6 +89,38 @@ def version_code(version: str) -> str:
     """The number trtexec prints in its banner: v100300 for 10.3.0, v8502 for 8.5.2 (NV_TENSORRT_VERSION)."""
     major, minor, patch, _ = version_tuple(version)
     return str(major * (10000 if major >= 10 else 1000) + minor * 100 + patch)
+
+
+OPTIONS_SINCE = {
+    "memPoolSize": (8, 4),
+    "builderOptimizationLevel": (8, 6),
+    "skipInference": (8, 6),
+    "getPlanVersionOnly": (9, 1),
+    "stronglyTyped": (9, 1),
+}
+"""First TensorRT (major, minor) whose trtexec has the option (docs/tensorrt.md#summary-table)."""
+OPTIONS_UNTIL = {"workspace": (10, 0), "buildOnly": (10, 0)} | dict.fromkeys(
+    ("fp16", "int8", "bf16", "fp8", "int4", "best"), (11, 0)
+)
+"""First TensorRT (major, minor) whose trtexec no longer has the option (docs/tensorrt.md#summary-table)."""
+DLA_GAP = ((10, 8, 0), (11, 4, 1))
+"""Releases without DLA (docs/tensorrt.md#dla-cores)."""
+
+
+def refusal(options: dict[str, str], version: str) -> str | None:
+    """The error trtexec `version` stops with for these options (an option it lacks, a DLA core it has none of, a
+    workspace suffix it would misread); None when it takes them all."""
+    have = version_tuple(version)
+    for key in options:
+        if have[:2] < OPTIONS_SINCE.get(key, (0, 0)) or have[:2] >= OPTIONS_UNTIL.get(key, (999, 0)):
+            return f"Unknown option: --{key}"
+    pool = options.get("memPoolSize", "")
+    if pool[-1:].isalpha() and have[:2] < (10, 1):
+        # STAND-IN check: before 10.1 a suffix is ignored (8.x, 9.x) or applied twice (10.0.x), never meant.
+        return f"STAND-IN: --memPoolSize={pool}: TensorRT {version} misreads a unit suffix"
+    if "useDLACore" in options and DLA_GAP[0] <= have[:3] < DLA_GAP[1]:
+        return f"Cannot create DLA engine, {options['useDLACore']} not available"
+    return None
 
 
 def make_plan(version: str, meta: dict[str, Any], size: int) -> bytes:
@@ -136,13 +170,18 @@ def say(level: str, text: str) -> None:
 
 
 def trtexec(argv: list[str]) -> int:
-    """Stand-in trtexec: `--onnx=F --saveEngine=E`, `--loadEngine=E`, `--getPlanVersionOnly`."""
+    """Stand-in trtexec: `--onnx=F --saveEngine=E`, `--loadEngine=E`, `--getPlanVersionOnly`; an option its version
+    lacks fails as trtexec does."""
     knobs = {**TRTEXEC_DEFAULTS, **read_knobs("trtexec.json")}
     version = str(knobs["version"])
     banner = f"TensorRT.trtexec [TensorRT v{version_code(version)}] # {' '.join(argv)}"
     print(f"&&&& RUNNING {banner}", flush=True)
     options = parse_options(argv[1:])
-    if "loadEngine" in options and "saveEngine" in options:
+    refused = refusal(options, version)
+    if refused:
+        say("E", refused)
+        rc = 1
+    elif "loadEngine" in options and "saveEngine" in options:
         say("E", "Incompatible load and save engine options selected")
         rc = 1
     elif "loadEngine" in options:
@@ -191,9 +230,26 @@ def _load(options: dict[str, str], knobs: dict[str, Any]) -> int:
         say("E", str(knobs["error"]) or "Engine deserialization failed")
         return int(knobs["load_exit"])
     say("I", "Engine deserialized in 0.0123 sec.")
+    if "exportOutput" in options and knobs["outputs"]:
+        _export(Path(options["exportOutput"]), knobs["outputs"])
     say("I", "Throughput: 812.4 qps")
     say("I", "Latency: min = 1.19 ms, max = 1.41 ms, mean = 1.23 ms, median = 1.22 ms")
     return 0
+
+
+def _export(path: Path, outputs: dict[str, Any]) -> None:
+    """Write `outputs` as trtexec's `--exportOutput` does: a list of {"name", "dimensions", "values"}."""
+
+    def shape(value: Any) -> list[int]:
+        return [len(value), *shape(value[0])] if isinstance(value, list) else []
+
+    def flat(value: Any) -> list[Any]:
+        return [x for item in value for x in flat(item)] if isinstance(value, list) else [value]
+
+    tensors = [
+        {"name": name, "dimensions": "x".join(map(str, shape(v))), "values": flat(v)} for name, v in outputs.items()
+    ]
+    path.write_text(json.dumps(tensors))
 
 
 def _build(argv: list[str], options: dict[str, str], knobs: dict[str, Any]) -> int:

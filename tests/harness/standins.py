@@ -25,7 +25,8 @@ class StandIns:
         return json.loads(path.read_text()) if path.exists() else {}
 
     def set_trtexec(self, **knobs: Any) -> None:
-        """Change trtexec knobs: version, build_exit, load_exit, delay_s, engine_bytes, error (see TRTEXEC_DEFAULTS)."""
+        """Change trtexec knobs: version, build_exit, load_exit, delay_s, engine_bytes, error, outputs (see
+        TRTEXEC_DEFAULTS)."""
         unknown = set(knobs) - set(TRTEXEC_DEFAULTS)
         if unknown:
             raise TypeError(f"unknown trtexec knobs: {sorted(unknown)}")

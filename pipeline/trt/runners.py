@@ -15,10 +15,10 @@ from typing import Protocol
 
 import asyncssh
 
-from pipeline.engines.trtexec import run_logged
 from pipeline.errors import PipelineError
 from pipeline.files import sha256_file
 from pipeline.fleet.ssh import FAILURES, Device
+from pipeline.trt.trtexec import run_logged
 
 TIMEOUT_STATUS = 124
 """Exit status of `timeout` (coreutils) when it stopped the command."""
@@ -91,17 +91,20 @@ class Local:
 
 
 class Remote:
-    """trtexec on a device over SSH (pipeline.fleet.ssh.Device); the work directory is a temp dir there."""
+    """trtexec on a device over SSH (pipeline.fleet.ssh.Device); the work directory is a private temp directory
+    there (`mktemp -d`: a name nobody can guess or hold beforehand), made by `open` and removed by `close`."""
 
-    def __init__(self, device: Device, exe: str, workdir: str) -> None:
+    def __init__(self, device: Device, exe: str) -> None:
         self.device = device
         self.exe = exe
-        self.workdir = workdir
+        self.workdir = ""
         self.where = f"device {device.target.name}"
         self._sftp: asyncssh.SFTPClient | None = None
 
     def path(self, name: str) -> str:
         """Path of `name` on the device."""
+        if not self.workdir:
+            raise RuntimeError(f"{self.where}: the work directory is not open")
         return f"{self.workdir}/{name}"
 
     async def _client(self) -> asyncssh.SFTPClient:
@@ -135,12 +138,14 @@ class Remote:
         return out.exit_status, out.stdout + out.stderr
 
     async def open(self) -> None:
-        """Create the work directory."""
-        out = await self.device.run(f"mkdir -p {shlex.quote(self.workdir)}", timeout_s=30)
-        if not out.ok:
-            raise PipelineError(f"{self.where}: cannot create {self.workdir}: {out.tail()}")
+        """Create the work directory (mode 700) in the device's temp directory."""
+        out = await self.device.run('mktemp -d "${TMPDIR:-/tmp}/edge-build.XXXXXXXX"', timeout_s=30)
+        if not out.ok or not out.stdout.strip():
+            raise PipelineError(f"{self.where}: cannot create a temp directory: {out.tail()}")
+        self.workdir = out.stdout.strip()
 
     async def close(self) -> None:
         """Remove the work directory (best effort: the device may be gone)."""
-        with contextlib.suppress(*FAILURES):
-            await self.device.run(f"rm -rf {shlex.quote(self.workdir)}", timeout_s=60)
+        if self.workdir:
+            with contextlib.suppress(*FAILURES):
+                await self.device.run(f"rm -rf {shlex.quote(self.workdir)}", timeout_s=60)

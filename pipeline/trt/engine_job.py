@@ -1,25 +1,30 @@
 """One engine for one device class with trtexec behind a runner (here or on a device): build, fetch, verify.
 
-The steps are the same wherever trtexec runs: place the ONNX file (and the class's timing cache) in the runner's
-work directory, build under the time limit, fetch the engine and check its sha256 against the runner's side, then
-verify it there: plan version, a load on the export stage's sample, agreement with ONNX Runtime, latency.
+The steps are the same wherever trtexec runs, for the build stage and for deploy's install-time builds: place the ONNX
+file (and the class's timing cache) in the runner's work directory and check its sha256 there, build under the time
+limit, fetch the engine and check its sha256 against the runner's side, then verify it there: plan version, a load on
+the export stage's sample, agreement with ONNX Runtime, latency.
 """
 
 from __future__ import annotations
 
+import shlex
+import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.engines import flags, verify
-from pipeline.engines.built import Built
-from pipeline.engines.flags import Options
-from pipeline.engines.profile import Profile
-from pipeline.engines.runners import Runner
-from pipeline.engines.trtexec import last_error, parse_sm, parse_version
+from pipeline.config import BuildClass, BuildConfig
 from pipeline.errors import PipelineError
 from pipeline.files import sha256_file
 from pipeline.layout import PLAN, SAMPLE
+from pipeline.trt import cache, flags, verify
+from pipeline.trt.built import Built
+from pipeline.trt.flags import Options
+from pipeline.trt.profile import Profile
+from pipeline.trt.runners import Runner
+from pipeline.trt.trtexec import last_error, parse_sm, parse_version
 
 CACHE = "timing.cache"
 LOG = "trtexec.log"
@@ -38,13 +43,46 @@ class Job:
     version: str
     """TensorRT version of the builder ("" when unknown: the plan version is then not checked)."""
     timeout_s: int
+    jetpack: str = ""
+    """JetPack of the device that builds ("" when unknown or not a device): DLA depends on it."""
+
+
+def new_job(
+    build: BuildConfig,
+    run_path: Path,
+    staging: Path,
+    profile: Profile,
+    klass: str,
+    version: str,
+    options: Options,
+    jetpack: str = "",
+) -> Job:
+    """The job for `klass`, its timing cache seeded from the engine cache's (when there is one)."""
+    seed = cache.timing_cache(build.cache_dir, klass)
+    if seed.is_file():
+        shutil.copyfile(seed, staging / CACHE)
+    return Job(klass, run_path, staging, profile, options, version, build.timeout_s, jetpack)
+
+
+async def build_and_verify(runner: Runner, job: Job, verify: bool, sample: Path) -> tuple[Built, dict[str, Any], float]:
+    """Build on `runner` and verify there (unless `verify` is off): what was built, the checks, the build's seconds."""
+    started = time.perf_counter()
+    built = await build(runner, job)
+    seconds = time.perf_counter() - started
+    if not verify:
+        return built, {"checked": False, "reason": "build.verify = false"}, seconds
+    return built, await check(runner, job, sample if sample.is_file() else None), seconds
 
 
 async def build(runner: Runner, job: Job) -> Built:
     """Build on `runner`; the engine, timing cache and log end up in `job.staging`."""
-    chosen = flags.plan(job.version, job.options, job.run_path)
+    chosen = flags.plan(job.version, job.options, job.run_path, job.jetpack)
     args, notes = flags.trtexec_args(job.version, chosen, job.options, job.profile)
-    await runner.put(job.run_path / chosen.onnx, "model.onnx")
+    onnx = job.run_path / chosen.onnx
+    await runner.put(onnx, "model.onnx")
+    # What trtexec reads is checked where it reads it: an upload cut short or damaged never gets built.
+    if await runner.sha256("model.onnx") != sha256_file(onnx):
+        raise PipelineError(f"build: {chosen.onnx} on {runner.where} does not match its sha256 here")
     if (job.staging / CACHE).is_file():
         await runner.put(job.staging / CACHE, CACHE)
     files = [f"--onnx={runner.path('model.onnx')}", f"--saveEngine={runner.path(PLAN)}"]
@@ -58,9 +96,9 @@ async def build(runner: Runner, job: Job) -> Built:
     if sha256_file(job.staging / PLAN) != expected:
         raise PipelineError(f"build: the engine fetched from {runner.where} does not match its sha256 there")
     await runner.get(CACHE, job.staging / CACHE)
-    fp16 = "--fp16" in chosen.precision_flags
     version = parse_version(output) or job.version
-    return Built(version, parse_sm(output), fp16, [runner.exe, *args], chosen.onnx, chosen.precision_flags, notes)
+    command = [runner.exe, *args]
+    return Built(version, parse_sm(output), chosen.precision, command, chosen.onnx, chosen.precision_flags, notes)
 
 
 async def check(runner: Runner, job: Job, sample: Path | None) -> dict[str, Any]:
@@ -110,3 +148,33 @@ async def _outputs(runner: Runner, job: Job, expected: Any) -> dict[str, Any]:
             f"build: {job.klass}: engine disagrees with ONNX Runtime on onnx/sample.npz: {verdict['reason']}"
         )
     return {"checked": True, **verdict}
+
+
+def build_info(job: Job, klass: BuildClass, built: Built, checks: dict[str, Any], seconds: float) -> dict[str, Any]:
+    """build.json of a freshly built engine: one set of fields wherever it was built (the engine cache adds `cache`
+    when it publishes it)."""
+    key_dict = cache.key_parts(job.run_path, klass.name, job.version, job.options, job.profile)
+    return {
+        "class": klass.name,
+        "builder": klass.builder,
+        "target": klass.target or None,
+        "tensorrt_version": built.tensorrt_version or job.version,
+        "sm": klass.sm or built.sm,
+        "l4t": klass.l4t or None,
+        "precision": built.precision,
+        "onnx": built.onnx,
+        "precision_flags": built.precision_flags,
+        "workspace_mb": job.options.workspace_mb,
+        "opt_level": job.options.opt_level,
+        "dla_core": job.options.dla_core,
+        "input": job.profile.name,
+        "shapes": job.profile.to_dict(),
+        "command": shlex.join(built.command) if built.command else None,
+        "notes": built.notes,
+        "seconds": round(seconds, 3),
+        "onnx_sha256": key_dict["onnx_sha256"],
+        "engine_sha256": sha256_file(job.staging / PLAN),
+        "cache_key": cache.engine_key(key_dict),
+        "verification": checks,
+        "latency": checks.get("latency", {}),
+    }

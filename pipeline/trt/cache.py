@@ -15,10 +15,25 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from pipeline.files import atomic_path, fsync_dir, fsync_file
+from pipeline.files import atomic_path, fsync_dir, fsync_file, sha256_file
 from pipeline.layout import BUILD_INFO, PLAN
+from pipeline.trt.flags import Options, plan
+from pipeline.trt.profile import Profile
 
 ENTRY_FILES = (PLAN, BUILD_INFO)
+
+
+def key_parts(run_path: Path, klass: str, version: str, options: Options, profile: Profile) -> dict[str, Any]:
+    """What the engine depends on: the sha256 of the ONNX file `version` builds, the version, the class, the shapes
+    and the builder options."""
+    onnx = run_path / plan(version, options, run_path).onnx
+    return {
+        "onnx_sha256": sha256_file(onnx),
+        "tensorrt": version,
+        "class": klass,
+        "shapes": profile.to_dict(),
+        **options.key(),
+    }
 
 
 def engine_key(parts: dict[str, Any]) -> str:

@@ -1,9 +1,10 @@
 """Checks on a built engine with trtexec: its plan version, a load, its outputs on the export stage's sample
 against ONNX Runtime's, and the latency summary.
 
-trtexec prints `Plan was created with TensorRT version X.Y.Z` for `--getPlanVersionOnly` (10.0 and later), writes
-`--exportOutput` as a JSON list of {"name", "dimensions", "values"}, and ends a run with a performance summary:
-`Throughput: N qps` and `Latency: min = A ms, max = B ms, mean = C ms, median = D ms, percentile(90%) = E ms, ...`.
+trtexec prints `Plan was created with TensorRT version X.Y.Z.B` for `--getPlanVersionOnly` (9.1 and later,
+docs/tensorrt.md#plan-version-check), writes `--exportOutput` as a JSON list of {"name", "dimensions", "values"}, and
+ends a run with a performance summary: `Throughput: N qps` and `Latency: min = A ms, max = B ms, mean = C ms,
+median = D ms, percentile(90%) = E ms, ...`.
 """
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.engines.flags import version_tuple
-from pipeline.engines.profile import Profile
+from pipeline.trt.flags import PLAN_VERSION_SINCE, version_tuple
+from pipeline.trt.profile import Profile
 
-PLAN_VERSION_SINCE = (10, 0)
 TOLERANCE = {"fp32": 1e-3, "fp16": 1e-2}
 """Largest allowed |engine - ONNX Runtime| per precision; int8 is judged by top-1 agreement instead."""
 _PLAN_VERSION = re.compile(r"Plan was created with TensorRT version (\d+(?:\.\d+)*)")

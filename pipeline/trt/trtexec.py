@@ -13,7 +13,8 @@ from pipeline.errors import PipelineError
 from pipeline.host import sm_tag
 
 # Every trtexec run starts with `&&&& RUNNING TensorRT.trtexec [TensorRT v100300] # trtexec ...`: the packed
-# NV_TENSORRT_VERSION, major*10000 + minor*100 + patch since 10.0 and major*1000 + minor*100 + patch before.
+# NV_TENSORRT_VERSION, major*10000 + minor*100 + patch since 10.0 and major*1000 + minor*100 + patch before
+# (docs/tensorrt.md#reading-the-version-from-the-banner).
 _BANNER = re.compile(r"\[TensorRT v(\d{4,6})\]")
 _COMPUTE_CAPABILITY = re.compile(r"Compute Capability:\s*(\d+)\.(\d+)")
 # TensorRT's own errors ("Error[4]: ...", "ERROR: ...") say what went wrong; trailing "[E] Engine set up
