@@ -56,18 +56,25 @@ mount -t tmpfs -o mode=755 tmpfs "$(dirname "$DEPLOY_ROOT")"
 mkdir "$DEPLOY_ROOT"
 mount --bind "$D/disk" "$DEPLOY_ROOT"
 
-# Host directories the test maps in (read-only) although the fresh tmpfs above hide them, e.g. a Python under /root:
-# held at $D/hostdirs/N (bound before the tmpfs went over them), then bound into place.
+# Host directories the test maps in (read-only) although the fresh tmpfs hide them, e.g. a Python under /root or a
+# checkout under /tmp: held at $D/hostdirs/N (bound before the tmpfs went over them), then at /run/hostdirs/N, which
+# no later tmpfs covers ($D itself may be under /tmp), and bound into place once /tmp is fresh.
 i=0
 for dir in $HOST_DIRS; do
-    mkdir -p "$dir"
-    mount --bind "$D/hostdirs/$i" "$dir"
-    mount -o remount,bind,ro "$dir"
+    mkdir -p "/run/hostdirs/$i"
+    mount --bind "$D/hostdirs/$i" "/run/hostdirs/$i"
     i=$((i + 1))
 done
 
-# Last: a fresh /tmp hides the host's, where $D may live (the bind mounts above already hold their sources).
+# A fresh /tmp hides the host's, where $D may live (the holds under /run keep their sources).
 mount -t tmpfs -o mode=1777 tmpfs /tmp
+i=0
+for dir in $HOST_DIRS; do
+    mkdir -p "$dir"
+    mount --bind "/run/hostdirs/$i" "$dir"
+    mount -o remount,bind,ro "$dir"
+    i=$((i + 1))
+done
 
 cd /
 exec "$SSHD" -D -e -f /etc/ssh/standin/sshd_config

@@ -28,6 +28,7 @@ from tests.harness import JetsonFleet, TargetSpec, fixtures
 jetson_fleet = fixtures.jetson_fleet
 VENV_PYTHON = str(Path(sys.executable).absolute())
 PYTHON_PREFIX = sys.base_prefix
+REPO = Path(__file__).resolve().parents[2]
 OLD_PYTHON = "/root/.pyenv/versions/3.8.18"
 
 
@@ -43,7 +44,8 @@ def forwarding() -> Iterator[None]:
 
 def start_cluster(jetson_fleet: Callable[..., JetsonFleet], count: int, **extra_dirs: str) -> JetsonFleet:
     """`count` linked stand-ins that run this venv's Python, each routed to the others through the host."""
-    dirs = (PYTHON_PREFIX, *extra_dirs.values())
+    # The checkout (this venv lives in it) may be where a device's fresh /tmp or /root would hide it: map it in.
+    dirs = (PYTHON_PREFIX, str(REPO), *extra_dirs.values())
     specs = [TargetSpec(f"node-{i}", network=True, disk_size="256m", host_dirs=dirs) for i in range(1, count + 1)]
     fleet = jetson_fleet(specs)
     for target in fleet:
