@@ -303,7 +303,7 @@ def status(field):
     return int(line.split()[1]) * 1024
 
 
-MODELS["wide_mlp"] = ModelSpec(wide_mlp, channels=None, min_size=8)
+MODELS["wide_mlp"] = ModelSpec(wide_mlp, channels=None, min_size=8, head="8.")
 mode, root = sys.argv[1], Path(sys.argv[2])
 cfg = Config.model_validate({"model": {"name": "wide_mlp"}})
 if mode == "write":
