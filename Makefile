@@ -12,7 +12,9 @@ BROWSER_PKGS := chromium chromium-driver
 # Real photographs (Tux Paint's stamps: animals, fruit, flowers cut out of photos) for the tests that train on a
 # photo folder (tests/photos.py builds it at test time).
 PHOTO_PKGS := tuxpaint-stamps-default
-SYSTEM_PKGS := $(JETSON_PKGS) $(BROWSER_PKGS) $(PHOTO_PKGS)
+# strace: the durability test reads the order of fsync and rename a stage makes.
+TRACE_PKGS := strace
+SYSTEM_PKGS := $(JETSON_PKGS) $(BROWSER_PKGS) $(PHOTO_PKGS) $(TRACE_PKGS)
 
 .PHONY: demo test test-all lint system-deps clean
 

@@ -98,6 +98,7 @@ def test_check_reports_each_device_and_ships_the_code_once(jetson_fleet, forward
     assert shipped.is_file()
 
 
+@pytest.mark.slow  # ~30 s: three stand-ins, each set up to fail differently
 def test_unfit_devices_are_refused_in_one_line(jetson_fleet, forwarding, tmp_path: Path) -> None:
     """Python 3.8, a Python without torch and the rest, code that is not the controller's: one line each, exit 2."""
     fleet = start_cluster(jetson_fleet, 3, old=OLD_PYTHON)
