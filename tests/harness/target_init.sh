@@ -14,17 +14,19 @@ mount -t overlay overlay -o "lowerdir=/etc,upperdir=$D/etc/upper,workdir=$D/etc/
 
 # HOST_DIRS: one per line, no spaces in them.
 HOST_DIRS=${HOST_DIRS:-}
-i=0
-for dir in $HOST_DIRS; do
-    mkdir -p "$D/hostdirs/$i"
-    mount --bind "$dir" "$D/hostdirs/$i"
-    i=$((i + 1))
-done
 
 # Fresh /run (sshd's privilege-separation dir lives there), /root and /var/log, as after a boot.
 mount -t tmpfs -o mode=755 tmpfs /run
 mkdir -m 755 /run/sshd /run/standin
 mount --bind "$D/control" /run/standin
+# Host directories the test maps in (read-only) although the fresh tmpfs below hide them, e.g. a Python under /root
+# or a checkout under /tmp: held at /run/hostdirs/N, which no later tmpfs covers, and bound into place at the end.
+i=0
+for dir in $HOST_DIRS; do
+    mkdir -p "/run/hostdirs/$i"
+    mount --bind "$dir" "/run/hostdirs/$i"
+    i=$((i + 1))
+done
 mount -t tmpfs -o mode=700 tmpfs /root
 # sshd records logins in /var/log (wtmp, lastlog): keep those off the host.
 mount -t tmpfs -o mode=755 tmpfs /var/log
@@ -56,17 +58,7 @@ mount -t tmpfs -o mode=755 tmpfs "$(dirname "$DEPLOY_ROOT")"
 mkdir "$DEPLOY_ROOT"
 mount --bind "$D/disk" "$DEPLOY_ROOT"
 
-# Host directories the test maps in (read-only) although the fresh tmpfs hide them, e.g. a Python under /root or a
-# checkout under /tmp: held at $D/hostdirs/N (bound before the tmpfs went over them), then at /run/hostdirs/N, which
-# no later tmpfs covers ($D itself may be under /tmp), and bound into place once /tmp is fresh.
-i=0
-for dir in $HOST_DIRS; do
-    mkdir -p "/run/hostdirs/$i"
-    mount --bind "$D/hostdirs/$i" "/run/hostdirs/$i"
-    i=$((i + 1))
-done
-
-# A fresh /tmp hides the host's, where $D may live (the holds under /run keep their sources).
+# Last: a fresh /tmp hides the host's, where $D may live (the holds under /run keep their sources).
 mount -t tmpfs -o mode=1777 tmpfs /tmp
 i=0
 for dir in $HOST_DIRS; do

@@ -9,6 +9,7 @@ ranks import it from there). The devices reach each other through the host, whic
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import signal
@@ -171,8 +172,6 @@ def test_three_devices_train_the_quickstart_and_the_run_goes_on_unchanged(
 
 
 def _key(run_dir: Path) -> str:
-    import hashlib
-
     return hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:8]
 
 
