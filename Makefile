@@ -15,8 +15,12 @@ PHOTO_PKGS := tuxpaint-stamps-default
 # strace: the durability test reads the order of fsync and rename a stage makes.
 TRACE_PKGS := strace
 SYSTEM_PKGS := $(JETSON_PKGS) $(BROWSER_PKGS) $(PHOTO_PKGS) $(TRACE_PKGS)
+# The oldest device Python and torch (JetPack 6: Python 3.10, torch 2.5), which the stand-in devices of
+# tests/train/test_oldest_torch.py run. About 2 minutes and 5.4 GB (PyPI's torch wheels bring CUDA's libraries).
+OLDEST := .venv-oldest
+PY310  ?= $(firstword $(wildcard /root/.pyenv/versions/3.10.*/bin/python3.10) $(shell command -v python3.10))
 
-.PHONY: demo test test-all lint system-deps clean
+.PHONY: demo test test-all test-oldest lint system-deps clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,10 +35,22 @@ test: $(STAMP) system-deps
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 	$(BIN)/vermin -q --target=3.6- --no-tips --violations pipeline/fleet/devicecheck.py  # runs on any device Python
+	$(BIN)/vermin -q --target=3.10- --no-tips --violations --eval-annotations $$($(BIN)/python -m tests.device_side)
 	$(BIN)/pytest -m "not slow"
+	$(MAKE) test-oldest
 
-test-all: $(STAMP) system-deps
+test-all: $(STAMP) system-deps $(OLDEST)/.installed
 	$(BIN)/pytest
+
+# Cluster training on devices with the oldest supported Python and torch (slow: stand-ins train the quickstart).
+test-oldest: $(STAMP) system-deps $(OLDEST)/.installed
+	$(BIN)/pytest tests/train/test_oldest_torch.py
+
+$(OLDEST)/.installed: tests/requirements-oldest.txt
+	@test -n "$(PY310)" || { echo "make: no Python 3.10 found for $(OLDEST); set PY310=/path/to/python3.10" >&2; exit 2; }
+	rm -rf $(OLDEST) && $(PY310) -m venv $(OLDEST)
+	$(OLDEST)/bin/python -m pip install --quiet -r $<
+	@touch $@
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-imports

@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import tomllib
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline.errors import PipelineError
+
+if sys.version_info >= (3, 11):  # noqa: UP036 -- the package needs 3.11; the device side runs on 3.10
+    import tomllib
+else:
+    import tomli as tomllib
 
 DEFAULT_CONFIG = Path(__file__).with_name("defaults") / "quickstart.toml"
 """The embedded quickstart, shipped inside the package (configs/quickstart.toml in the repo links to it)."""

@@ -27,6 +27,8 @@ from pipeline.files import read_json, sha256_file, write_json
 from pipeline.layout import CONFIG_SNAPSHOT, MANIFEST
 from pipeline.version import UNKNOWN, revision
 
+UTC = dt.timezone.utc  # noqa: UP017 -- datetime.UTC is 3.11+; the device side runs on 3.10 (README, cluster)
+
 Status = Literal["done", "cached", "skipped"]
 
 
@@ -66,7 +68,7 @@ class Stage:
 
 def new_run_id() -> str:
     """Sortable, unique run id: UTC timestamp plus a short random suffix."""
-    return dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
+    return dt.datetime.now(UTC).strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
 
 
 def tool_versions() -> dict[str, str]:
@@ -114,7 +116,7 @@ def stage_lock(run: RunDir, stage: str) -> Iterator[None]:
             raise PipelineError(f"{run.path}: stage {stage} is being run by {holder}; wait for it to finish")
         held.seek(0)
         held.truncate()
-        started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+        started = dt.datetime.now(UTC).isoformat(timespec="seconds")
         held.write(f"pid {os.getpid()} ({' '.join(sys.argv[:3])}, since {started})\n")
         held.flush()
         yield
@@ -150,7 +152,7 @@ class RunDir:
         """Snapshot the resolved config so later per-stage commands reuse exactly what the run used."""
         write_json(self.path / CONFIG_SNAPSHOT, cfg.model_dump(mode="json"))
         with self._update() as manifest:
-            manifest.setdefault("created", dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
+            manifest.setdefault("created", dt.datetime.now(UTC).isoformat(timespec="seconds"))
             manifest["config"] = cfg.model_dump(mode="json")
             manifest["versions"] = tool_versions()
 
@@ -266,7 +268,7 @@ def _run_locked(
         "inputs": input_hashes,
         "output_hashes": run.hashes(list(result.outputs.values())),
         "seconds": seconds,
-        "finished": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "finished": dt.datetime.now(UTC).isoformat(timespec="seconds"),
     }
     run.record(result, entry)
     suffix = f": {result.reason}" if result.reason else ""

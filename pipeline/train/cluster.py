@@ -182,11 +182,22 @@ def check(inventory: Inventory) -> list[NodeCheck]:
         return asyncio.run(check_all(inventory, code, Path(tmp)))
 
 
-def refuse_unready(nodes: list[NodeCheck]) -> None:
-    """One line naming the first device that cannot train, and why (exit 2): nothing has started anywhere."""
+FSDP_ON_CPU_TORCH = (2, 6)
+"""The first torch whose FSDP2 trains without CUDA (docs/torch-distributed.md#fsdp2-before-26)."""
+
+
+def refuse_unready(nodes: list[NodeCheck], strategy: str = "ddp") -> None:
+    """One line naming the first device that cannot train, or cannot run `strategy`, and why (exit 2): nothing has
+    started anywhere."""
     for node in nodes:
         if node.status != "ready":
             raise PipelineError(f"{node.target.name}: {node.status}: {node.reason}")
+        torch = node.facts.get("torch", "0")
+        if strategy == "fsdp" and not node.facts.get("gpu") and _version(torch) < FSDP_ON_CPU_TORCH:
+            raise PipelineError(
+                f"{node.target.name}: refused: train.strategy=fsdp needs a GPU with torch {torch} "
+                "(its FSDP2 runs on a CPU from torch 2.6); use ddp"
+            )
 
 
 # --- bounds -----------------------------------------------------------------------------------------------------

@@ -465,7 +465,7 @@ def finish_summary(run_dir: Path, cluster: dict[str, Any], seconds: float) -> No
 async def _train(cfg: Config, run_dir: Path, inventory: Inventory, workdir: Path, output: Printer) -> None:
     code = code_bundle(workdir)
     checks = await check_all(inventory, code, workdir)
-    refuse_unready(checks)  # one line, exit 2, before anything starts anywhere
+    refuse_unready(checks, cfg.train.strategy)  # one line, exit 2, before anything starts anywhere
     job = Job(cfg, run_dir, checks, code, workdir, output)
     from torch.distributed import TCPStore  # seconds to import: only once the devices are known to be ready
 

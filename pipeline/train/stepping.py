@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.amp import GradScaler
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.nn.parallel import DistributedDataParallel
 
+from pipeline.train.fsdp2 import FSDPModule
 from pipeline.train.runtime import Runtime
 
 

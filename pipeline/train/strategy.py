@@ -15,12 +15,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeline.config import FSDP_COMPRESSION, TrainConfig
+from pipeline.errors import PipelineError
 from pipeline.train import compression
 from pipeline.train.compression import CommCounter, Compression
+from pipeline.train.fsdp2 import NEEDS_CUDA, FSDPModule, MixedPrecisionPolicy, fully_shard
 from pipeline.train.runtime import Runtime
 
 ADAM_STATES = 2
@@ -106,12 +107,16 @@ def estimate(model: nn.Module, sample: torch.Tensor, batch: int, cfg: TrainConfi
 
 def choose(model: nn.Module, sample: torch.Tensor, batch: int, cfg: TrainConfig, rt: Runtime) -> tuple[str, str]:
     """The strategy to use, and why (`auto` decides from :func:`estimate`; an explicit choice is kept)."""
+    if cfg.strategy == "fsdp" and NEEDS_CUDA and rt.device.type != "cuda":
+        raise PipelineError(f"train.strategy=fsdp: torch {torch.__version__}'s FSDP2 needs CUDA; use ddp here")
     if cfg.strategy != "auto":
         return cfg.strategy, "set in train.strategy"
     est = estimate(model, sample, batch, cfg, rt)
     mib = {k: f"{v / 2**20:.1f} MiB" for k, v in vars(est).items()}
     if est.ddp <= est.budget:
         return "ddp", f"DDP needs ~{mib['ddp']} per rank, within the {mib['budget']} budget"
+    if NEEDS_CUDA and rt.device.type != "cuda":
+        return "ddp", f"DDP needs ~{mib['ddp']} > {mib['budget']}, but torch {torch.__version__}'s FSDP2 needs CUDA"
     if cfg.compression not in FSDP_COMPRESSION:
         return "ddp", f"DDP needs ~{mib['ddp']} > {mib['budget']}, but compression {cfg.compression} needs DDP"
     return "fsdp", f"DDP needs ~{mib['ddp']} > {mib['budget']} budget; FSDP needs ~{mib['fsdp']} per rank"
