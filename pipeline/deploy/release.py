@@ -12,6 +12,7 @@ each with its own id) for devices, `HostRelease` (this host's engine or none) fo
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,14 +24,13 @@ from pipeline.deploy.hosts import Host
 from pipeline.deploy.result import REFUSED, Stop, TargetResult
 from pipeline.errors import PipelineError
 from pipeline.files import read_json, sha256_file, write_json, write_text
+from pipeline.fleet import upload
 from pipeline.fleet.names import safe_name
 from pipeline.fleet.probe import Facts
 from pipeline.fleet.ssh import Device
+from pipeline.fleet.upload import SUMS, Bundle, sums_text
 from pipeline.layout import DEPLOY_DIR, MODEL_JSON, ONNX, PLAN, SAMPLE
 from pipeline.manifest import RunDir
-
-SUMS = "SHA256SUMS"
-
 
 ID_HEX = 8
 """Hex digits of the SHA256SUMS digest in a release id (ids stay short enough for an 80-column status table)."""
@@ -42,32 +42,32 @@ def release_id(run_id: str, sums_sha256: str) -> str:
 
 
 @dataclass(frozen=True)
-class ReleasePlan:
-    """What goes into one release: file name in the release → source file, and each file's sha256."""
+class Release:
+    """One release: the files (an upload bundle, named by its content), the directory holding its SHA256SUMS on this
+    controller, and the device class of its engine, if it has one."""
 
-    release_id: str
-    files: dict[str, Path]
-    sha256: dict[str, str]
+    plan: Bundle
+    engine_class: str | None
+    workdir: Path
 
     @property
-    def bytes(self) -> int:
-        """Total size of the release."""
-        return sum(path.stat().st_size for path in self.files.values())
+    def id(self) -> str:
+        """The release id."""
+        return self.plan.id
 
 
-def sums_text(sha256: dict[str, str]) -> str:
-    """SHA256SUMS content, as `sha256sum` writes it (so `sha256sum -c` on a device checks it)."""
-    return "".join(f"{digest}  {name}\n" for name, digest in sorted(sha256.items()))
+def make_release(
+    run: RunDir,
+    engine: tuple[Path, Path] | None,
+    engine_class: str | None,
+    extra: dict[str, Path] | None = None,
+    out: Path | None = None,
+) -> Release:
+    """Gather the run's release files (plus `engine` = (model.plan, build.json) of `engine_class` when given, plus
+    `extra` files such as the device-side activation script); write plan.json into `out` (default `<run>/deploy/`).
 
-
-def make_plan(
-    run: RunDir, engine: tuple[Path, Path] | None, extra: dict[str, Path] | None = None, out: Path | None = None
-) -> ReleasePlan:
-    """Gather the run's release files (plus `engine` = (model.plan, build.json) when given, plus `extra` files such
-    as the device-side activation script); write plan.json into `out` (default `<run>/deploy/`).
-
-    labels.txt and SHA256SUMS are generated into `<run>/deploy/` so every file of the release exists on disk and
-    any transport (a local copy, SFTP) only moves files. Local and SSH deploys share this one plan.
+    labels.txt and SHA256SUMS are generated into `out` so every file of the release exists on disk and any transport
+    (a local copy, SFTP) only moves files. Local and SSH deploys share this one plan.
     """
     onnx, meta, sample = run.path / ONNX, run.path / MODEL_JSON, run.path / SAMPLE
     _check_sample(sample)
@@ -79,12 +79,10 @@ def make_plan(
         files.update({PLAN: engine[0], "engine.json": engine[1]})
     files.update({safe_name(name, "release file"): path for name, path in (extra or {}).items()})
     sha256 = {name: sha256_file(path) for name, path in files.items()}
-    write_text(out / SUMS, sums_text(sha256))
-    files[SUMS] = out / SUMS
-    sha256[SUMS] = sha256_file(out / SUMS)
-    plan = ReleasePlan(release_id(run.path.name, sha256[SUMS]), files, sha256)
-    write_json(out / "plan.json", plan_json(plan))
-    return plan
+    digest = hashlib.sha256(sums_text(sha256).encode()).hexdigest()
+    release = Release(upload.bundle(release_id(run.path.name, digest), files, sha256), engine_class, out)
+    write_json(out / "plan.json", plan_json(release))
+    return release
 
 
 def model_classes(meta_path: Path) -> list[str]:
@@ -108,26 +106,16 @@ def _check_sample(sample: Path) -> None:
         raise PipelineError(f"{sample}: missing array(s) {', '.join(missing)}")
 
 
-def plan_json(plan: ReleasePlan) -> dict[str, Any]:
-    """What plan.json records: the release id, its size, and per file its sha256, size and source."""
+def plan_json(release: Release) -> dict[str, Any]:
+    """What plan.json records: the release id, its size, and per file (SHA256SUMS too) its sha256, size and source."""
+    plan = release.plan
     files = {
         name: {"sha256": plan.sha256[name], "bytes": path.stat().st_size, "source": str(path)}
         for name, path in plan.files.items()
     }
-    return {"release": plan.release_id, "bytes": plan.bytes, "files": files}
-
-
-@dataclass(frozen=True)
-class Release:
-    """A plan plus what the controller needs to judge devices: the engine's device class, if it has an engine."""
-
-    plan: ReleasePlan
-    engine_class: str | None
-
-    @property
-    def id(self) -> str:
-        """The release id."""
-        return self.plan.release_id
+    sums = plan.sums_file(release.workdir)
+    files[SUMS] = {"sha256": plan.sums_sha256, "bytes": sums.stat().st_size, "source": str(sums)}
+    return {"release": plan.id, "bytes": plan.bytes + sums.stat().st_size, "files": files}
 
 
 @dataclass(frozen=True)
@@ -175,7 +163,7 @@ class Releases:
 
     def _variant(self, key: str, engine: tuple[Path, Path] | None) -> Release:
         out = self.run.path / DEPLOY_DIR / "releases" / key
-        return Release(make_plan(self.run, engine, self.extra, out=out), engine and key)
+        return make_release(self.run, engine, engine and key, self.extra, out=out)
 
     @property
     def bytes(self) -> int:
@@ -215,7 +203,7 @@ class Releases:
 
     def summary(self) -> dict[str, Any]:
         """plan.json content: each variant's release id and files."""
-        return {"variants": {key: plan_json(r.plan) for key, r in self.variants.items()}}
+        return {"variants": {key: plan_json(r) for key, r in self.variants.items()}}
 
 
 Offer = Releases | HostRelease

@@ -2,12 +2,13 @@
 verify, rename, activate.
 
 The steps are the same for a Jetson over SSH and for a local target (a device reached without SSH, through
-`hosts.LocalHost`). A device whose class has no engine in the run builds one first (`device_build`). The target never
-holds a half release under its final name: files land in `releases/<id>.part/` (each file as `<name>.tmp`, renamed
-when whole), `sha256sum -c SHA256SUMS` runs on the target, and only then is the directory renamed to `releases/<id>`.
-Files the target already has (in the `.part` directory of an interrupted upload, in another release, or an engine it
-built at install time) are found by sha256 and linked instead of sent. The switch itself is `activate.sh`, shipped in
-the release, so it finishes on the device even if the connection drops.
+`hosts.LocalHost`). A device whose class has no engine in the run builds one first (`device_build`). The upload is
+`pipeline.fleet.upload`, as for the code training ships: the target never holds a half release under its final name
+(files land in `releases/<id>.part/`, are synced and checked by `sha256sum -c SHA256SUMS` on the target, and only then
+is the directory renamed to `releases/<id>` and `releases/` synced), and files the target already has (in the `.part`
+directory of an interrupted upload, in another release, or an engine it built at install time) are linked, not sent.
+The switch itself is `activate.sh`, shipped in the release, so it finishes on the device even if the connection
+drops.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import asyncssh
 
 from pipeline.deploy.device_build import DEVICE_CACHE
 from pipeline.deploy.hosts import Host, Spot
-from pipeline.deploy.release import SUMS, Offer, Release
+from pipeline.deploy.release import Offer, Release
 from pipeline.deploy.result import (
     ACTIVE,
     FAILED,
@@ -36,10 +37,12 @@ from pipeline.deploy.result import (
     Stop,
     TargetResult,
 )
+from pipeline.fleet import upload
 from pipeline.fleet.inventory import Policy, SshTarget
 from pipeline.fleet.names import SAFE_NAME
 from pipeline.fleet.probe import Facts, parse_facts, probe_script
 from pipeline.fleet.ssh import FAILURES, Completed, Refused
+from pipeline.fleet.upload import SUMS
 
 ACTIVATE = "activate.sh"
 # A transport failure during a step; an install-time build that fails on its own is BUILD_FAILED (device_build).
@@ -119,13 +122,12 @@ async def _deploy(host: Host, offer: Offer, policy: Policy, row: TargetResult, s
     row.release = release.id
     step.name = "upload"
     await _prepare(host)
-    if not await _installed(host, release):
+    if not await upload.installed(host, _releases(host), release.plan):
         _refuse_live(release, facts)
         _refuse_space(release, facts)
         await _upload(host, release, row)
         step.name = "verify"
-        await _verify(host, release)
-        await _rename(host, release)
+        await _verify_and_rename(host, release)
     elif facts.current == release.id:
         row.status, row.reason = ACTIVE, "already active"
         return
@@ -161,66 +163,39 @@ async def _prepare(host: Host) -> None:
         raise Stop(FAILED, f"cannot create {host.target.root}/releases: {out.tail()}")
 
 
-async def _installed(host: Host, release: Release) -> bool:
-    """True when `releases/<id>` holds exactly this release and every file matches its SHA256SUMS on the target."""
-    rid = shlex.quote(release.id)
-    command = (
-        f"cd {_root(host)}/releases && [ -f {rid}/{SUMS} ] && "
-        f"sha256sum {rid}/{SUMS} && cd {rid} && sha256sum -c {SUMS} >/dev/null 2>&1"
-    )
-    out = await host.run(command)
-    return out.ok and out.stdout.split()[:1] == [release.plan.sha256[SUMS]]
-
-
-async def _have(host: Host, release: Release) -> dict[str, str]:
-    """sha256 → device path (relative to releases/) of every whole file in the releases, in this `.part` and in
-    the device's engine cache (an engine it built at install time)."""
-    part = shlex.quote(f"{release.id}.part")
-    command = (
-        f"cd {_root(host)}/releases && mkdir -p {part} && for f in {part}/* */* ../{DEVICE_CACHE}/*/*; do "
-        'case "$f" in *.tmp) continue ;; esac; [ -f "$f" ] && [ ! -L "$f" ] && sha256sum "$f"; done; true'
-    )
-    out = await host.run(command)
-    if not out.ok:
-        raise Stop(UPLOAD_FAILED, f"cannot prepare releases/{release.id}.part: {out.tail()}")
-    have: dict[str, str] = {}
-    for line in out.stdout.splitlines():
-        digest, _, path = line.partition("  ")
-        have.setdefault(digest, path)
-    return have
+def _releases(host: Host) -> str:
+    return f"{host.target.root}/releases"
 
 
 async def _upload(host: Host, release: Release, row: TargetResult) -> None:
-    """Send what the target lacks into `.part`; SHA256SUMS goes last."""
-    have = await _have(host, release)
-    part = f"{release.id}.part"
-    links, sends = [], []
-    for name in sorted(release.plan.files, key=lambda n: n == SUMS):
-        there = have.get(release.plan.sha256[name])
-        if there == f"{part}/{name}":
-            continue
-        if there is not None:
-            links.append((there, f"{part}/{name}"))
-        else:
-            sends.append(name)
-    if links:
-        script = " && ".join(
-            f"{{ ln -f {shlex.quote(s)} {shlex.quote(d)} || cp {shlex.quote(s)} {shlex.quote(d)}; }}" for s, d in links
-        )
-        out = await host.run(f"cd {_root(host)}/releases && {script}")
-        if not out.ok:
-            raise Stop(UPLOAD_FAILED, f"cannot reuse files already on the device: {out.tail()}")
-        row.files_reused = len(links)
-    base = f"{host.target.root}/releases/{part}"
-    for name in sends:
-        row.bytes_sent += await host.put(release.plan.files[name], f"{base}/{name}")
-        row.files_sent += 1
+    """Stage what the target lacks in `releases/<id>.part/`, linking what it has (in a release, an interrupted
+    upload, or its engine cache: an engine it built at install time); the row counts what was sent."""
+    sent = upload.Sent()
+    try:
+        await upload.stage(host, _releases(host), release.plan, release.workdir, sent, also=(f"../{DEVICE_CACHE}/*/*",))
+    except upload.UploadFailed as err:
+        raise Stop(UPLOAD_FAILED, str(err)) from None
+    finally:
+        row.bytes_sent, row.files_sent, row.files_reused = sent.bytes, sent.files, sent.reused
 
 
-async def _sums(host: Host, directory: str, first: str = "true") -> tuple[Completed, list[str]]:
-    """`sha256sum -c SHA256SUMS` in `directory` on the target (after the command `first`): its outcome, and the names
-    that did not match."""
-    out = await host.run(f"cd {shlex.quote(directory)} && {first} && sha256sum -c {SUMS}")
+async def _verify_and_rename(host: Host, release: Release) -> None:
+    """Check `.part` on the target once it is on disk, then rename it to `releases/<id>` (synced). A damaged
+    directory of the same id is moved aside first, unless it is live: the live release is never rewritten."""
+    try:
+        await upload.verify(host, _releases(host), release.plan)
+    except upload.UploadFailed as err:
+        raise Stop(VERIFY_FAILED, str(err)) from None
+    live = (f"{host.target.root}/current", f"releases/{release.id}")
+    try:
+        await upload.publish(host, _releases(host), release.plan, live)
+    except upload.UploadFailed as err:
+        raise Stop(FAILED, str(err)) from None
+
+
+async def _sums(host: Host, directory: str) -> tuple[Completed, list[str]]:
+    """`sha256sum -c SHA256SUMS` in `directory` on the target: its outcome, and the names that did not match."""
+    out = await host.run(f"cd {shlex.quote(directory)} && sha256sum -c {SUMS}")
     return out, [line.rsplit(":", 1)[0] for line in out.stdout.splitlines() if not line.endswith(": OK")]
 
 
@@ -230,43 +205,6 @@ async def verified(host: Host, directory: str) -> str | None:
     if out.ok:
         return None
     return f"{', '.join(bad)}: sha256 does not match {SUMS}" if bad else out.tail()
-
-
-async def _verify(host: Host, release: Release) -> None:
-    """`sha256sum -c` in `.part` on the target once the uploads are on disk (`sync`); files that fail are removed so
-    the next attempt sends them again. Then whatever SHA256SUMS does not list (an interrupted upload's `.tmp`, a
-    stale file) is removed, so it is never promoted with the release."""
-    part = f"{host.target.root}/releases/{release.id}.part"
-    # fsync each file and the directory (its renames); a `sync` without names where that fails.
-    out, bad = await _sums(host, part, first="{ sync -- . * 2>/dev/null || sync; }")
-    if not out.ok:
-        names = [n for n in bad if n in release.plan.files]
-        if names:
-            await host.run(f"cd {shlex.quote(part)} && rm -f -- {' '.join(shlex.quote(n) for n in names)}")
-        raise Stop(VERIFY_FAILED, f"checksum mismatch on the device: {', '.join(names) or out.tail()}")
-    listed = "|".join(sorted(release.plan.files))  # safe names: nothing a `case` pattern would expand
-    sums = await host.run(
-        f"cd {shlex.quote(part)} && sha256sum {SUMS} && for f in * .[!.]* ..?*; do "
-        f'case "$f" in {listed}) ;; *) [ ! -e "$f" ] || rm -rf -- "$f" ;; esac; done'
-    )
-    if not sums.ok or sums.stdout.split()[:1] != [release.plan.sha256[SUMS]]:
-        raise Stop(VERIFY_FAILED, f"checksum mismatch on the device: {SUMS} ({sums.tail()})")
-
-
-async def _rename(host: Host, release: Release) -> None:
-    """`.part` → `releases/<id>`. A damaged directory of the same id is moved aside first, unless it is live: the
-    live release is never rewritten (the check is repeated here, on the device, right before the rename)."""
-    rid = shlex.quote(release.id)
-    aside = shlex.quote(f".{release.id}.replaced")
-    live = shlex.quote(f"releases/{release.id}")
-    command = (
-        f"cd {_root(host)}/releases && rm -rf {aside} && "
-        f'{{ [ ! -e {rid} ] || {{ [ "$(readlink ../current)" != {live} ] && mv {rid} {aside}; }}; }} && '
-        f"mv {shlex.quote(release.id + '.part')} {rid} && rm -rf {aside}"
-    )
-    out = await host.run(command)
-    if not out.ok:
-        raise Stop(FAILED, f"cannot rename releases/{release.id}.part: {out.tail()}")
 
 
 def activate_command(target: Spot, release_id: str, keep: int) -> str:

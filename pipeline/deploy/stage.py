@@ -17,7 +17,7 @@ from pipeline.config import Config
 from pipeline.deploy import remote
 from pipeline.deploy.device_build import DeviceBuilds
 from pipeline.deploy.hosts import LocalHost, local_spot
-from pipeline.deploy.release import HostRelease, Release, Releases, make_plan
+from pipeline.deploy.release import HostRelease, Releases, make_release
 from pipeline.deploy.result import ACTIVE, UNREACHABLE, UPLOAD_FAILED, TargetResult, results_table
 from pipeline.deploy.rollout import rollout, waves
 from pipeline.errors import PipelineError, TransientError
@@ -96,8 +96,8 @@ def local_release(run: RunDir) -> HostRelease:
     """The release for local targets: the run's files, this host's engine if the build stage made one, and the
     activation script."""
     engine = local_engine(run)
-    plan = make_plan(run, engine, {remote.ACTIVATE: ACTIVATE_SCRIPT})
-    return HostRelease(Release(plan, engine and str(read_json(engine[1])["class"])))
+    engine_class = engine and str(read_json(engine[1])["class"])
+    return HostRelease(make_release(run, engine, engine_class, {remote.ACTIVATE: ACTIVATE_SCRIPT}))
 
 
 def _body(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageResult:

@@ -1,21 +1,33 @@
-"""Place a set of files on a device as one directory: verified, deduplicated, resumable.
+"""Place a set of files on a device as one directory: verified, durable, deduplicated, resumable.
 
-The directory `<parent>/<id>` only ever appears whole: files land in `<parent>/<id>.part/` (each renamed from
-`<name>.tmp` when whole, by `Device.put`), `sha256sum -c SHA256SUMS` runs on the device, and only then is `.part`
-renamed. A file the device already holds anywhere under `<parent>/*/` (another version, an interrupted upload) is
-found by its sha256 and hard-linked instead of sent, so an unchanged set sends nothing and a changed one only what
-changed. Used for the code and the checkpoints training sends to its devices.
+The directory `<parent>/<id>` only ever appears whole and on disk. Four steps, each one or more remote commands, so
+a connection cut between any two leaves the device with the old directory or the new one, never half of one:
+
+1. `installed`: `<parent>/<id>` already holds exactly these files (checked on the device): nothing to do.
+2. `stage`: files land in `<parent>/<id>.part/` (each renamed from `<name>.tmp` when whole, by the remote's `put`),
+   SHA256SUMS last. A file the device already holds anywhere under `<parent>/*/` (another version, an interrupted
+   upload) or in the caller's extra places is found by its sha256 and hard-linked instead of sent, so an unchanged set
+   sends nothing, a changed one only what changed, and an interrupted one resumes.
+3. `verify`: whatever SHA256SUMS does not list is removed from `.part`, the files and `.part` are synced to disk, then
+   `sha256sum -c SHA256SUMS` runs on the device; files that fail are removed so that the next attempt sends them.
+4. `publish`: `.part` is renamed to `<id>` (a damaged `<id>` moved aside first, unless a live link points at it) and
+   `<parent>` is synced, so the rename is on disk before anyone is pointed at `<id>`.
+
+`send` does all four. Used for the code and the checkpoints training sends to its devices, and for deploy's releases
+(docs/ssh-and-devices.md#syncing-named-files-and-private-temp-directories).
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shlex
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from pipeline.files import sha256_file
+from pipeline.files import sha256_file, write_text
 from pipeline.fleet.names import safe_name
 from pipeline.fleet.ssh import Completed
 
@@ -24,15 +36,28 @@ FILE_NAME = re.compile(r"[A-Za-z0-9._-]{1,255}")
 
 
 class Remote(Protocol):
-    """What an upload needs of a device connection (`pipeline.fleet.ssh.Device` has it)."""
+    """What an upload needs of a device: `pipeline.fleet.ssh.Device`, or deploy's `LocalHost`."""
 
-    async def run(self, command: str, timeout_s: int | None = None, stdin: str | None = None) -> Completed: ...
+    async def run(self, command: str, timeout_s: int | None = None) -> Completed: ...
 
     async def put(self, local: Path, remote: str) -> int: ...
 
 
 class UploadFailed(Exception):
-    """The device could not take the files (no space, no permission, checksums that do not match)."""
+    """The device could not take the files (no space, no permission)."""
+
+
+class VerifyFailed(UploadFailed):
+    """The files on the device do not match SHA256SUMS (those that did not were removed, to be sent again)."""
+
+
+class PublishFailed(UploadFailed):
+    """`.part` could not be renamed into place (or the directory it would replace is live)."""
+
+
+def sums_text(sha256: Mapping[str, str]) -> str:
+    """SHA256SUMS text: `sha256  name` per file, sorted by name, as `sha256sum` writes it and `sha256sum -c` reads."""
+    return "".join(f"{sha256[name]}  {name}\n" for name in sorted(sha256))
 
 
 @dataclass(frozen=True)
@@ -45,27 +70,40 @@ class Bundle:
 
     @property
     def sums(self) -> str:
-        """SHA256SUMS text: `sha256  name` per file, sorted by name, as `sha256sum -c` reads it."""
-        return "".join(f"{self.sha256[name]}  {name}\n" for name in sorted(self.files))
+        """The SHA256SUMS text that travels with the files."""
+        return sums_text(self.sha256)
+
+    @property
+    def sums_sha256(self) -> str:
+        """sha256 of the SHA256SUMS text: one digest for the whole content."""
+        return hashlib.sha256(self.sums.encode()).hexdigest()
 
     @property
     def bytes(self) -> int:
-        """Total size of the files."""
+        """Total size of the files (SHA256SUMS not counted)."""
         return sum(path.stat().st_size for path in self.files.values())
 
+    def sums_file(self, workdir: Path) -> Path:
+        """`<workdir>/<id>.SHA256SUMS`, written when it does not hold this text yet: the file that is sent."""
+        path = workdir / f"{self.id}.{SUMS}"
+        if not path.is_file() or path.read_text() != self.sums:
+            write_text(path, self.sums)
+        return path
 
-def bundle(bundle_id: str, files: dict[str, Path]) -> Bundle:
-    """A bundle of `files` (name → local path); names must be single path components (DCP's `__0_0.distcp` and
-    `.metadata` are)."""
+
+def bundle(bundle_id: str, files: dict[str, Path], sha256: Mapping[str, str] | None = None) -> Bundle:
+    """A bundle of `files` (name → local path), hashed here unless `sha256` gives each file's digest; names must be
+    single path components (DCP's `__0_0.distcp` and `.metadata` are)."""
     for name in files:
         if not FILE_NAME.fullmatch(name) or name in (".", "..", SUMS):
             raise UploadFailed(f"file name {name!r}: not one plain path component")
-    return Bundle(safe_name(bundle_id, "bundle id"), dict(files), {n: sha256_file(p) for n, p in files.items()})
+    digests = {n: sha256[n] for n in files} if sha256 is not None else {n: sha256_file(p) for n, p in files.items()}
+    return Bundle(safe_name(bundle_id, "bundle id"), dict(files), digests)
 
 
 @dataclass
 class Sent:
-    """What one upload cost: bytes and files sent, files linked from what the device had."""
+    """What one upload cost: bytes and files sent (SHA256SUMS included), files linked from what the device had."""
 
     bytes: int = 0
     files: int = 0
@@ -73,37 +111,93 @@ class Sent:
 
 
 async def send(host: Remote, parent: str, item: Bundle, workdir: Path) -> Sent:
-    """Make `<parent>/<item.id>` on the device hold exactly `item` (checked on the device); returns what it cost.
+    """Make `<parent>/<item.id>` on the device hold exactly `item` (checked there, on disk); returns what it cost.
 
     `workdir` is a local directory for the SHA256SUMS file that travels last.
     """
     sent = Sent()
-    where = f"{parent}/{item.id}"
-    if await _complete(host, where, item):
-        return sent
-    sums = workdir / f"{item.id}.{SUMS}"
-    sums.write_text(item.sums)
-    have = await _have(host, parent, item.id)
+    if not await installed(host, parent, item):
+        await stage(host, parent, item, workdir, sent)
+        await verify(host, parent, item)
+        await publish(host, parent, item)
+    return sent
+
+
+async def installed(host: Remote, parent: str, item: Bundle) -> bool:
+    """True when `<parent>/<item.id>` holds this bundle's SHA256SUMS and every file it lists matches, checked on the
+    device."""
+    command = f"cd {_q(f'{parent}/{item.id}')} 2>/dev/null && sha256sum -c {SUMS} >/dev/null 2>&1 && cat {SUMS}"
+    out = await host.run(command)
+    return out.ok and out.stdout == item.sums
+
+
+async def stage(host: Remote, parent: str, item: Bundle, workdir: Path, sent: Sent, also: Sequence[str] = ()) -> None:
+    """Put into `<parent>/<id>.part/` what it lacks, in the order of `item.files` and SHA256SUMS last, linking what
+    the device already has; `sent` counts what it cost as it goes (so a cut upload still says what it sent). `also`:
+    more shell globs, relative to `parent`, of files worth linking from (written by the caller, never from input)."""
+    have = await _have(host, parent, item.id, also)
     part = f"{item.id}.part"
-    links = []
-    for name in sorted(item.files):
-        there = have.get(item.sha256[name])
+    wanted = [(name, local, item.sha256[name]) for name, local in item.files.items()]
+    wanted.append((SUMS, item.sums_file(workdir), item.sums_sha256))
+    links, sends = [], []
+    for name, local, digest in wanted:
+        there = have.get(digest)
         if there == f"{part}/{name}":
             continue
         if there is not None:
             links.append((there, f"{part}/{name}"))
-            continue
-        sent.bytes += await host.put(item.files[name], f"{parent}/{part}/{name}")
-        sent.files += 1
+        else:
+            sends.append((name, local))
     if links:
         script = " && ".join(f"{{ ln -f {_q(s)} {_q(d)} || cp {_q(s)} {_q(d)}; }}" for s, d in links)
         await _check(host, f"cd {_q(parent)} && {script}", "cannot reuse files already on the device")
         sent.reused = len(links)
-    sent.bytes += await host.put(sums, f"{parent}/{part}/{SUMS}")
-    await _verify(host, f"{parent}/{part}")
-    command = f"cd {_q(parent)} && rm -rf {_q(item.id)} && mv {_q(part)} {_q(item.id)}"
-    await _check(host, command, f"cannot rename {part}")
-    return sent
+    for name, local in sends:
+        sent.bytes += await host.put(local, f"{parent}/{part}/{name}")
+        sent.files += 1
+
+
+async def verify(host: Remote, parent: str, item: Bundle) -> None:
+    """In `.part` on the device: remove what SHA256SUMS does not list (an interrupted upload's `.tmp`, a stale file:
+    never promoted), sync the files and the directory to disk, then `sha256sum -c`. VerifyFailed when a file (or
+    SHA256SUMS itself) does not match; the files that failed are removed so the next attempt sends them again."""
+    part = f"{parent}/{item.id}.part"
+    names = [*sorted(item.files), SUMS]
+    listed = "|".join(names)  # plain names (FILE_NAME): nothing a `case` pattern would expand
+    command = (
+        f'cd {_q(part)} && for f in * .[!.]* ..?*; do case "$f" in {listed}) ;; *) [ ! -e "$f" ] || rm -rf -- "$f" ;; '
+        # fsync each file and the directory (its entries: the renames and links); plain `sync` where that fails.
+        f"esac; done && {{ sync -- . {' '.join(_q(n) for n in names)} 2>/dev/null || sync; }} && "
+        f"sha256sum {SUMS} && sha256sum -c {SUMS}"
+    )
+    out = await host.run(command)
+    lines = out.stdout.splitlines()
+    digest = lines[0].split()[0] if lines else ""
+    bad = [line.rsplit(":", 1)[0] for line in lines[1:] if not line.endswith(": OK")]
+    bad = [name for name in bad if name in item.files]
+    if out.ok and digest == item.sums_sha256:
+        return
+    if bad:
+        await host.run(f"cd {_q(part)} && rm -f -- {' '.join(_q(n) for n in bad)}")
+        raise VerifyFailed(f"checksum mismatch on the device: {', '.join(bad)}")
+    if digest and digest != item.sums_sha256:
+        raise VerifyFailed(f"checksum mismatch on the device: {SUMS} is not this one")
+    raise VerifyFailed(f"checksum mismatch on the device: {out.tail()}")
+
+
+async def publish(host: Remote, parent: str, item: Bundle, live: tuple[str, str] | None = None) -> None:
+    """`.part` → `<parent>/<id>`, then `<parent>` synced. A `<id>` already there (damaged: `installed` said no) is
+    moved aside first, unless `live` = (symlink, what it reads when it points at `<id>`) says it is in use: a live
+    directory is never rewritten (the check runs on the device, right before the rename)."""
+    rid, aside, part = _q(item.id), _q(f".{item.id}.replaced"), _q(f"{item.id}.part")
+    in_use = f'[ "$(readlink {_q(live[0])})" != {_q(live[1])} ] && ' if live else ""
+    command = (
+        f"cd {_q(parent)} && rm -rf {aside} && {{ [ ! -e {rid} ] || {{ {in_use}mv {rid} {aside}; }}; }} && "
+        f"mv {part} {rid} && rm -rf {aside} && {{ sync -- . 2>/dev/null || sync; }}"
+    )
+    out = await host.run(command)
+    if not out.ok:
+        raise PublishFailed(f"cannot rename {parent}/{item.id}.part: {out.tail()}")
 
 
 def _q(text: str) -> str:
@@ -117,18 +211,13 @@ async def _check(host: Remote, command: str, what: str) -> Completed:
     return out
 
 
-async def _complete(host: Remote, where: str, item: Bundle) -> bool:
-    """True when `where` holds this bundle's SHA256SUMS and every file it lists matches, checked on the device."""
-    command = f"cd {_q(where)} 2>/dev/null && sha256sum -c {SUMS} >/dev/null 2>&1 && cat {SUMS}"
-    out = await host.run(command)
-    return out.ok and out.stdout == item.sums
-
-
-async def _have(host: Remote, parent: str, bundle_id: str) -> dict[str, str]:
-    """sha256 → path (relative to `parent`) of every whole file in `parent`'s directories and in this `.part`."""
+async def _have(host: Remote, parent: str, bundle_id: str, also: Sequence[str]) -> dict[str, str]:
+    """sha256 → path (relative to `parent`) of every whole file in `parent`'s directories, in this `.part` and in
+    `also`; symlinks and files reached through one are not taken (a link may lead anywhere)."""
     part = _q(f"{bundle_id}.part")
+    places = " ".join([f"{part}/*", f"{part}/.[!.]*", "*/*", "*/.[!.]*", *also])
     command = (
-        f"mkdir -p {_q(parent)}/{part} && cd {_q(parent)} && for f in {part}/* {part}/.[!.]* */* */.[!.]*; do "
+        f"mkdir -p {_q(parent)}/{part} && cd {_q(parent)} && for f in {places}; do "
         'case "$f" in *.tmp) continue ;; esac; [ -f "$f" ] && [ ! -L "$f" ] && [ ! -L "${f%/*}" ] && sha256sum "$f"; '
         "done; true"
     )
@@ -138,14 +227,3 @@ async def _have(host: Remote, parent: str, bundle_id: str) -> dict[str, str]:
         digest, _, path = line.partition("  ")
         have.setdefault(digest, path)
     return have
-
-
-async def _verify(host: Remote, directory: str) -> None:
-    """`sha256sum -c` on the device; files that fail are removed so that the next attempt sends them again."""
-    out = await host.run(f"cd {_q(directory)} && sha256sum -c {SUMS}")
-    if out.ok:
-        return
-    bad = [line.rsplit(":", 1)[0] for line in out.stdout.splitlines() if not line.endswith(": OK")]
-    if bad:
-        await host.run(f"cd {_q(directory)} && rm -f -- {' '.join(_q(n) for n in bad)}")
-    raise UploadFailed(f"checksum mismatch on the device: {', '.join(bad) or out.tail()}")

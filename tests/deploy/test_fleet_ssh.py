@@ -27,7 +27,9 @@ from pipeline.errors import PipelineError, TransientError
 from pipeline.fleet.inventory import load_inventory
 from pipeline.fleet.ssh import Device
 from pipeline.manifest import RunDir, StageResult
+from tests import durability
 from tests.harness import AGX_ORIN_JP62, XAVIER_NX_JP513, JetsonFleet, JetsonTarget, TargetSpec, fixtures, make_plan
+from tests.harness.procs import tool
 
 pytest.importorskip("asyncssh")
 
@@ -475,3 +477,103 @@ def test_a_local_target_and_a_device_report_the_same_fields(jetson_fleet, two_ru
     assert (device_row["host"], local_row["host"]) == (f"127.0.0.1:{fleet['orin-01'].port}", "local")
     assert (device_row["device_class"], local_row["device_class"]) == (ORIN, "local")
     assert device_row["health"] == {} and local_row["health"]["passed"]
+
+
+class CutAfter:
+    """Every `Device` drops its real SSH connection once it has done `after` remote steps (a command or a file put),
+    so the step after that one fails: a link cut between two steps. `steps` names the steps done so far."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.after: int | None = None
+        self.steps: list[str] = []
+        run, put = Device.run, Device.put
+
+        async def counted_run(device: Device, command: str, *args: Any, **kwargs: Any) -> Any:
+            return self._done(device, f"run {command.split()[0]}", await run(device, command, *args, **kwargs))
+
+        async def counted_put(device: Device, local: Path, remote_path: str) -> int:
+            return self._done(device, f"put {Path(remote_path).name}", await put(device, local, remote_path))
+
+        monkeypatch.setattr(Device, "run", counted_run)
+        monkeypatch.setattr(Device, "put", counted_put)
+
+    def _done(self, device: Device, step: str, result: Any) -> Any:
+        self.steps.append(step)
+        if len(self.steps) == self.after:
+            device.conn.abort()  # no goodbye: what the device has done so far is all it gets
+        return result
+
+    def deploy(self, cfg: Config, run: RunDir, after: int | None) -> None:
+        """One deploy cut after `after` steps (None: not cut); raises what the deploy raises."""
+        self.after, self.steps = after, []
+        try:
+            deploy.run(cfg, run, **QUIET)
+        finally:
+            self.after = None
+
+
+def whole_release(target: JetsonTarget) -> str:
+    """The release `current` points at, after checking on the device that every file matches its SHA256SUMS."""
+    check = target.run("cd /opt/edge/current && sha256sum -c SHA256SUMS >/dev/null && readlink /opt/edge/current")
+    return check.stdout.strip().removeprefix("releases/")
+
+
+def cut_at_each(
+    fleet: JetsonFleet, runs: tuple[RunDir, RunDir], cut: CutAfter, pick: Callable[[list[str]], list[int]]
+) -> list[str]:
+    """Deploy the second release onto a device running the first, cut after each step `pick` chooses among the steps a
+    whole deploy takes (their indices, from 1), each time from the same start. Each cut must leave `current` on a
+    whole release (the old one: the switch is the last step) and the next deploy must converge: ACTIVE on the new
+    release, the old one kept as `previous`, no `.part` or set-aside directory left. Returns the steps cut after."""
+    target = fleet["orin-01"]
+    cfg = fleet_cfg(fleet)
+    a = deploy_ok(cfg, runs[0])
+    target.run("cp -a /opt/edge /root/start")
+    restore = "rm -rf /opt/edge/* /opt/edge/.[!.]* && cp -a /root/start/. /opt/edge/"
+    cut.deploy(cfg, runs[1], after=None)
+    whole, b = list(cut.steps), results(runs[1])["orin-01"]["release"]
+    assert any(s.startswith("put ") for s in whole) and whole[-1] == "run sh"  # uploads ..., then activate.sh
+    for k in pick(whole):
+        where = f"cut after step {k} of {len(whole)} ({whole[k - 1]})"
+        target.run(restore)
+        with pytest.raises(PipelineError, match="orin-01"):
+            cut.deploy(cfg, runs[1], after=k)
+        assert cut.steps == whole[:k], where  # the same steps as the whole deploy, up to the cut
+        assert whole_release(target) == a and links(target) == (a, ""), where
+        cut.deploy(cfg, runs[1], after=None)
+        row = results(runs[1])["orin-01"]
+        assert (row["status"], row["current"]) == ("ACTIVE", b), f"{where}: {row['reason']}"
+        assert whole_release(target) == b and links(target) == (b, a), where
+        assert sorted(os.listdir(target.disk / "releases")) == sorted([a, b]), where
+    return [whole[k - 1] for k in pick(whole)]
+
+
+def test_a_deploy_cut_mid_upload_or_before_the_switch_converges(jetson_fleet, two_runs, monkeypatch):
+    """Two of the cut points of the slow test below: after the first file sent, and right before activate.sh."""
+    cut = CutAfter(monkeypatch)
+    done = cut_at_each(jetson_fleet(1), two_runs, cut, lambda s: [[x[:3] for x in s].index("put") + 1, len(s) - 1])
+    assert done[0].startswith("put ") and done[1] == "run cd"  # the rename of `.part`
+
+
+@pytest.mark.slow
+def test_a_deploy_cut_after_any_remote_step_converges(jetson_fleet, two_runs, monkeypatch):
+    """Every step of a deploy in turn: the link is cut after it, so the next one fails."""
+    cut = CutAfter(monkeypatch)
+    done = cut_at_each(jetson_fleet(1), two_runs, cut, lambda steps: list(range(1, len(steps))))
+    assert len(done) >= 10 and sum(s.startswith("put ") for s in done) >= 3
+
+
+def test_a_deploy_publishes_only_what_is_on_disk(jetson_fleet, two_runs):
+    """The device's side of a deploy under strace (its sshd and all it starts): the release's `.part` is renamed only
+    once its files and entries are fsynced, and `current` is switched only once that rename is on disk."""
+    fleet = jetson_fleet(1)
+    target = fleet["orin-01"]
+    cfg = fleet_cfg(fleet)
+    a = deploy_ok(cfg, two_runs[0])
+    log, there = target.dir / "control/deploy.strace", "/run/standin/deploy.strace"  # the device's view of control/
+    with durability.attached(1, log, enter=[tool("nsenter"), "-t", str(target.pid), "-m", "-p"], log_there=there):
+        b = deploy_ok(cfg, two_runs[1])
+    assert links(target) == (b, a)
+    root = Path(target.deploy_root)
+    assert durability.publishes(log, root) >= 3  # releases/<b>, current, previous: the trace saw them
+    assert durability.unsynced_publishes(log, root, disk=target.disk) == []
