@@ -57,7 +57,9 @@ class DataConfig(Section):
     normalize: Literal["auto", "imagenet", "dataset"] = "auto"
     """Per-channel mean and std images are normalised with (recorded in model.json, so export and the device use
     the same): `imagenet`, what published weights were trained with; `dataset`, computed over the training split;
-    `auto`, ImageNet's when `model.weights` is set, the training split's otherwise."""
+    `auto`: with `model.weights`, the statistics that file was trained with when a run of this pipeline wrote it
+    (its safetensors metadata or the model.json beside it), else ImageNet's (torchvision's published weights);
+    without, the training split's."""
     augment: bool = True
     """ImageFolder training images get a random resized crop (`crop_scale`) and a horizontal flip (`hflip`);
     validation images never do. The tensor sources (digits, synthetic) use `train.augment_shift` instead."""
@@ -92,12 +94,15 @@ class ModelConfig(Section):
 
 
 class TrainConfig(Section):
-    epochs: int = Field(8, ge=1, le=100_000)
-    """Passes over the training split."""
-    batch_size: int = Field(64, ge=1, le=1 << 20)
-    """Global batch size: split evenly across all ranks."""
-    lr: float = Field(1e-2, gt=0.0)
-    """Peak learning rate of AdamW: reached linearly over `warmup_epochs`, then cosine-decayed to zero."""
+    epochs: Annotated[int, Field(ge=1, le=100_000)] | Literal["auto"] = "auto"
+    """Passes over the training split. `auto`: 8, or more when that would make fewer than 120 optimizer steps (a
+    folder of a hundred photos gets 30); the log and train/summary.json give the number and why."""
+    batch_size: Annotated[int, Field(ge=1, le=1 << 20)] | Literal["auto"] = "auto"
+    """Global batch size: split evenly across all ranks. `auto`: 64, halved while an epoch would have fewer than 4
+    optimizer steps, down to 16 images a rank (a hundred photos on 2 ranks: 32)."""
+    lr: Annotated[float, Field(gt=0.0)] | Literal["auto"] = "auto"
+    """Peak learning rate of AdamW: reached linearly over `warmup_epochs`, then cosine-decayed to zero. `auto`: 1e-2
+    from scratch, 1e-3 from `model.weights` (a full-size step early on overwrites what the weights know)."""
     warmup_epochs: float = Field(1.0, ge=0.0)
     """Epochs of linear learning-rate warm-up from near zero to `lr` (0: none). Fresh BatchNorm statistics and a new
     classifier head make the first steps' gradients large; a full-size step then wrecks pretrained weights."""
