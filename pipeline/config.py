@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -391,11 +392,23 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+UNION_TAG = re.compile(r"^(literal\[.*\]|constrained-\w+|int|float|str|bool)$")
+"""How pydantic names the member of a union (`int | Literal["auto"]`) an error is about, after the field's key."""
+
+
 def _first_error(err: ValidationError, origin: str) -> PipelineError:
-    first = err.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    """One line for the first field in error. A union field fails once per member (`int`, `'auto'`): that is one
+    error, said as the first member's message plus what the literal members would accept."""
+    by_field: dict[str, list[Any]] = {}
+    for error in err.errors():
+        loc = [str(p) for p in error["loc"] if not (isinstance(p, str) and UNION_TAG.match(p))]
+        by_field.setdefault(".".join(loc) or "(top level)", []).append(error)
+    where, errors = next(iter(by_field.items()))
+    first = errors[0]
     msg = "unknown key" if first["type"] == "extra_forbidden" else first["msg"]
-    more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
+    others = [e["ctx"]["expected"] for e in errors[1:] if e["type"] == "literal_error"]
+    msg += f" (or {', '.join(others)})" if others and first["type"] != "literal_error" else ""
+    more = f" (and {len(by_field) - 1} more)" if len(by_field) > 1 else ""
     return PipelineError(f"{origin}: {where}: {msg}{more}")
 
 
