@@ -3,9 +3,14 @@ image folder gets enough optimizer steps, a weights file a lower rate; set value
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from pipeline.config import TrainConfig
+from pipeline.layout import METRICS
+from pipeline.manifest import RunDir
 from pipeline.train.plan import plan, steps_per_epoch
 
 
@@ -33,3 +38,14 @@ def test_a_weights_file_trains_at_a_tenth_of_the_rate_and_set_values_stay() -> N
     assert plan(TrainConfig(), 115, 2, pretrained=True).lr == 1e-3
     fixed = plan(TrainConfig(batch_size=10, epochs=3, lr=0.5), 115, 2, pretrained=True)
     assert (fixed.batch_size, fixed.epochs, fixed.lr, fixed.why) == (10, 3, 0.5, ())
+
+
+def test_the_flows_progress_reads_what_auto_epochs_became_from_the_epoch_lines(tmp_path: Path) -> None:
+    from flows.progress import epochs_done, epochs_planned
+
+    run = RunDir(tmp_path)
+    assert epochs_planned(run, "auto") is None and epochs_planned(run, 5) == 5  # before the first epoch ends
+    (tmp_path / METRICS).parent.mkdir(parents=True)
+    rows = [{"step": 4, "epoch": 0, "loss": 1.0}, {"epoch": 0, "epochs": 30, "val_accuracy": 0.3}]
+    (tmp_path / METRICS).write_text("".join(f"{json.dumps(row)}\n" for row in rows))
+    assert (epochs_done(run), epochs_planned(run, "auto")) == (1, 30)
