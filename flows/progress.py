@@ -6,6 +6,7 @@ the artifact forward as epochs complete, so the Prefect UI shows progress withou
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,8 +27,18 @@ def epochs_done(run: RunDir) -> int:
     return sum('"val_accuracy"' in line for line in path.read_text().splitlines())
 
 
+def epochs_planned(run: RunDir, configured: int | str) -> int | None:
+    """Epochs the run trains for: `train.epochs`, or with `auto` what the ranks resolved it to (each epoch line of
+    train/metrics.jsonl says); None while that is not known yet."""
+    if isinstance(configured, int):
+        return configured
+    path = run.path / METRICS
+    lines = [line for line in path.read_text().splitlines() if '"val_accuracy"' in line] if path.exists() else []
+    return int(json.loads(lines[-1])["epochs"]) if lines else None
+
+
 @contextmanager
-def training_progress(run: RunDir, epochs: int, enabled: bool = True) -> Iterator[None]:
+def training_progress(run: RunDir, epochs: int | str, enabled: bool = True) -> Iterator[None]:
     """Keep a progress artifact (0 to 100 %) in step with the run's completed epochs while the block runs."""
     if not enabled:
         yield
@@ -35,9 +46,14 @@ def training_progress(run: RunDir, epochs: int, enabled: bool = True) -> Iterato
     artifact_id = create_progress_artifact(0.0, key="training-progress", description=f"training run {run.path.name}")
     stop = threading.Event()
 
+    def update() -> None:
+        total = epochs_planned(run, epochs)
+        if total:
+            update_progress_artifact(artifact_id, 100.0 * min(epochs_done(run), total) / total)
+
     def follow() -> None:
         while not stop.wait(POLL_S):
-            update_progress_artifact(artifact_id, 100.0 * min(epochs_done(run), epochs) / epochs)
+            update()
 
     thread = threading.Thread(target=follow, name="training-progress", daemon=True)
     thread.start()
@@ -46,4 +62,4 @@ def training_progress(run: RunDir, epochs: int, enabled: bool = True) -> Iterato
     finally:
         stop.set()
         thread.join()
-        update_progress_artifact(artifact_id, 100.0 * min(epochs_done(run), epochs) / epochs)
+        update()

@@ -43,6 +43,7 @@ def train_to_deploy(
     overrides: list[str] | None = None,
 ) -> dict[str, Any]:
     """Train, consolidate, export, build and deploy; returns each stage's result and why the run stopped, if early.
+    A model not clearly above chance fails the flow run (`BelowFloor`), after the report says why.
 
     `overrides` are `section.key=value` strings, as `--set` takes on the command line.
     """

@@ -106,8 +106,8 @@ def run(
 ) -> None:
     """Run every stage: train, consolidate, export, build, deploy. Unchanged stages are skipped as cached.
 
-    A model not clearly above chance (retrain.min_accuracy), or less accurate than the deployed one (beyond
-    retrain.promotion_tolerance), stops before build.
+    A model less accurate than the deployed one (beyond retrain.promotion_tolerance) stops before build (exit 0);
+    one not clearly above chance (retrain.min_accuracy) stops there too, with one line and exit 1.
     """
     cfg, rd = open_run(config, run_dir, set_)
     out = err_console if as_json else console

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -62,7 +63,9 @@ class DataConfig(Section):
     normalize: Literal["auto", "imagenet", "dataset"] = "auto"
     """Per-channel mean and std images are normalised with (recorded in model.json, so export and the device use
     the same): `imagenet`, what published weights were trained with; `dataset`, computed over the training split;
-    `auto`, ImageNet's when `model.weights` is set, the training split's otherwise."""
+    `auto`: with `model.weights`, the statistics that file was trained with when a run of this pipeline wrote it
+    (its safetensors metadata or the model.json beside it), else ImageNet's (torchvision's published weights);
+    without, the training split's."""
     augment: bool = True
     """ImageFolder training images get a random resized crop (`crop_scale`) and a horizontal flip (`hflip`);
     validation images never do. The tensor sources (digits, synthetic) use `train.augment_shift` instead."""
@@ -97,12 +100,15 @@ class ModelConfig(Section):
 
 
 class TrainConfig(Section):
-    epochs: int = Field(8, ge=1, le=100_000)
-    """Passes over the training split."""
-    batch_size: int = Field(64, ge=1, le=1 << 20)
-    """Global batch size: split evenly across all ranks."""
-    lr: float = Field(1e-2, gt=0.0)
-    """Peak learning rate of AdamW: reached linearly over `warmup_epochs`, then cosine-decayed to zero."""
+    epochs: Annotated[int, Field(ge=1, le=100_000)] | Literal["auto"] = "auto"
+    """Passes over the training split. `auto`: 8, or more when that would make fewer than 120 optimizer steps (a
+    folder of a hundred photos gets 30); the log and train/summary.json give the number and why."""
+    batch_size: Annotated[int, Field(ge=1, le=1 << 20)] | Literal["auto"] = "auto"
+    """Global batch size: split evenly across all ranks. `auto`: 64, halved while an epoch would have fewer than 4
+    optimizer steps, down to 16 images a rank (a hundred photos on 2 ranks: 32)."""
+    lr: Annotated[float, Field(gt=0.0)] | Literal["auto"] = "auto"
+    """Peak learning rate of AdamW: reached linearly over `warmup_epochs`, then cosine-decayed to zero. `auto`: 1e-2
+    from scratch, 1e-3 from `model.weights` (a full-size step early on overwrites what the weights know)."""
     warmup_epochs: float = Field(1.0, ge=0.0)
     """Epochs of linear learning-rate warm-up from near zero to `lr` (0: none). Fresh BatchNorm statistics and a new
     classifier head make the first steps' gradients large; a full-size step then wrecks pretrained weights."""
@@ -391,11 +397,23 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+UNION_TAG = re.compile(r"^(literal\[.*\]|constrained-\w+|int|float|str|bool)$")
+"""How pydantic names the member of a union (`int | Literal["auto"]`) an error is about, after the field's key."""
+
+
 def _first_error(err: ValidationError, origin: str) -> PipelineError:
-    first = err.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    """One line for the first field in error. A union field fails once per member (`int`, `'auto'`): that is one
+    error, said as the first member's message plus what the literal members would accept."""
+    by_field: dict[str, list[Any]] = {}
+    for error in err.errors():
+        loc = [str(p) for p in error["loc"] if not (isinstance(p, str) and UNION_TAG.match(p))]
+        by_field.setdefault(".".join(loc) or "(top level)", []).append(error)
+    where, errors = next(iter(by_field.items()))
+    first = errors[0]
     msg = "unknown key" if first["type"] == "extra_forbidden" else first["msg"]
-    more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
+    others = [e["ctx"]["expected"] for e in errors[1:] if e["type"] == "literal_error"]
+    msg += f" (or {', '.join(others)})" if others and first["type"] != "literal_error" else ""
+    more = f" (and {len(by_field) - 1} more)" if len(by_field) > 1 else ""
     return PipelineError(f"{origin}: {where}: {msg}{more}")
 
 

@@ -42,7 +42,8 @@ class DatasetInfo:
     mean: list[float]
     std: list[float]
     normalization: str = "dataset"
-    """Where `mean` and `std` come from: `dataset` (the training split), `imagenet`, or `recorded` (model.json)."""
+    """Where `mean` and `std` come from: `dataset` (the training split), `imagenet`, `recorded` (a trained model's
+    model.json, for export and the holdout), or `weights` (what `model.weights` was trained with)."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for model.json and ONNX metadata."""
@@ -81,6 +82,16 @@ def wants_imagenet(cfg: DataConfig, pretrained: bool) -> bool:
     return cfg.normalize == "imagenet" or (cfg.normalize == "auto" and pretrained)
 
 
+def choose_norm(cfg: DataConfig, channels: int, pretrained: bool, prior: Stats | None, stats: Stats | None) -> Norm:
+    """How `load` normalises: `stats` (a trained model's) when given; else, with `data.normalize = "auto"` and
+    `prior` (the statistics a weights file of this pipeline was trained with, one per channel), those: the weights
+    expect inputs scaled as in their own training, and ImageNet's would shift every first-layer input; else as
+    :func:`wants_imagenet` says."""
+    if stats is None and cfg.normalize == "auto" and prior is not None and len(prior[0]) == channels:
+        return Norm(prior, source="weights")
+    return Norm(stats, wants_imagenet(cfg, pretrained))
+
+
 def _tensor_splits(
     x: torch.Tensor, y: torch.Tensor, classes: list[str], cfg: DataConfig, seed: int, norm: Norm
 ) -> Splits:
@@ -104,11 +115,13 @@ class Norm:
 
     given: Stats | None = None
     imagenet: bool = False
+    source: str = "recorded"
+    """What `given` is, for DatasetInfo.normalization: `recorded` (a trained model's) or `weights`."""
 
     def resolve(self, channels: int, compute: Callable[[], Stats]) -> tuple[list[float], list[float], str]:
         """(mean, std, where they come from)."""
         if self.given is not None:
-            return [float(v) for v in self.given[0]], [float(v) for v in self.given[1]], "recorded"
+            return [float(v) for v in self.given[0]], [float(v) for v in self.given[1]], self.source
         if self.imagenet:
             return (*imagenet_stats(channels), "imagenet")
         return (*compute(), "dataset")
@@ -288,16 +301,23 @@ def native_channels(cfg: DataConfig) -> int:
 
 
 def load(
-    cfg: DataConfig, seed: int, channels: int | None = None, *, pretrained: bool = False, stats: Stats | None = None
+    cfg: DataConfig,
+    seed: int,
+    channels: int | None = None,
+    *,
+    pretrained: bool = False,
+    prior: Stats | None = None,
+    stats: Stats | None = None,
 ) -> Splits:
     """Load the configured dataset as a seeded split; `channels` forces 1 or 3 channels for the model.
 
-    Normalisation: `stats` when given (a trained model's, from model.json), else as `data.normalize` says, where
-    `pretrained` (training starts from a weights file) makes `auto` pick ImageNet's.
+    Normalisation: `stats` when given (a trained model's, from model.json), else as `data.normalize` says: `auto`
+    with `pretrained` (training starts from a weights file) is `prior` (what that file was trained with, when this
+    pipeline wrote it) or ImageNet's.
     """
     channels = channels or native_channels(cfg)
     loader = {"digits": _digits, "synthetic": _synthetic, "imagefolder": _imagefolder}[cfg.source]
-    return loader(cfg, seed, channels, Norm(stats, wants_imagenet(cfg, pretrained)))
+    return loader(cfg, seed, channels, choose_norm(cfg, channels, pretrained, prior, stats))
 
 
 def fingerprint(cfg: DataConfig) -> str:

@@ -111,6 +111,16 @@ def chance_floor(classes: int) -> float:
     return round(min(2 * chance, chance + 0.2 * (1 - chance)), 4)
 
 
+class BelowFloor(PipelineError):
+    """The model is not clearly above chance: the run stopped before build and deploy, and that is a failure.
+
+    Unlike "not better than the champion" (a normal outcome: the deployed model stays), a model at chance means
+    the data, the labels or the settings are wrong; a script checking `pipeline run`'s exit status, and the
+    Prefect flow run's state, must see it. Exit code 1: the input was valid, the result is not."""
+
+    exit_code = 1
+
+
 @dataclass(frozen=True)
 class FloorResult:
     """Outcome of the accuracy floor: is the model clearly better than guessing?"""
@@ -154,9 +164,9 @@ def run_pipeline(
     """Run the stages in order, with the retraining rules between them.
 
     `execute` runs one stage by name (the Prefect flow passes one that submits a task); by default stages run here.
-    With `retrain.only_on_new_data`, an unchanged run ends before training. After export, a model not clearly
-    above chance (`retrain.min_accuracy`), or worse than the deployed champion (beyond
-    `retrain.promotion_tolerance`), ends the run before build and deploy.
+    With `retrain.only_on_new_data`, an unchanged run ends before training. After export, a model worse than the
+    deployed champion (beyond `retrain.promotion_tolerance`) ends the run before build and deploy, and one not
+    clearly above chance (`retrain.min_accuracy`) too, raising :class:`BelowFloor` once the manifest says why.
     """
     execute = execute or (lambda stage: run_one(stage, cfg, run, log))
     outcome = Outcome()
@@ -164,8 +174,9 @@ def run_pipeline(
         outcome.stopped = reason
     for stage in STAGES if not outcome.stopped else ():
         if stage == "build" and not (useful := floor(cfg, run)).passed:
-            outcome.stopped = f"stopped before build: {useful.reason}"
-            break
+            stopped = f"stopped before build: {useful.reason}"
+            run.annotate("stopped", value=stopped)
+            raise BelowFloor(stopped)
         if stage == "build" and not (gate := promote(cfg, run)).passed:
             outcome.stopped = f"stopped before build: {gate.reason}"
             break

@@ -96,6 +96,26 @@ def test_normalisation_from_the_training_split_imagenet_or_recorded(tiles: Path)
     assert (recorded.info.normalization, recorded.info.std) == ("recorded", [0.25, 0.25, 0.25])
 
 
+def test_auto_normalisation_from_an_earlier_runs_weights_uses_their_statistics(tiles: Path) -> None:
+    prior = ([0.6, 0.5, 0.4], [0.3, 0.2, 0.1])  # what a weights file of this pipeline was trained with
+    tuned = data.load(folder(tiles), seed=0, pretrained=True, prior=prior)
+    assert (tuned.info.normalization, tuned.info.mean, tuned.info.std) == ("weights", *prior)
+    plain = data.load(folder(tiles, augment=False, normalize="dataset"), seed=0)
+    raw = plain.train_eval[0][0] * torch.tensor(plain.info.std)[:, None, None]
+    raw += torch.tensor(plain.info.mean)[:, None, None]
+    expected = (raw - torch.tensor(prior[0])[:, None, None]) / torch.tensor(prior[1])[:, None, None]
+    assert torch.allclose(tuned.train_eval[0][0], expected, atol=1e-4)  # the images really are scaled by them
+    # Set explicitly, data.normalize wins; statistics for another channel count are not these images'.
+    assert (
+        data.load(folder(tiles, normalize="imagenet"), 0, pretrained=True, prior=prior).info.normalization == "imagenet"
+    )
+    assert (
+        data.load(folder(tiles, normalize="dataset"), 0, pretrained=True, prior=prior).info.normalization == "dataset"
+    )
+    gray = ([0.5], [0.2])
+    assert data.load(folder(tiles), 0, pretrained=True, prior=gray).info.normalization == "imagenet"
+
+
 @pytest.mark.skipif(not photos.available(), reason=f"needs Debian's {photos.PHOTO_PACKAGE} (make test installs it)")
 def test_the_photo_folder_holds_real_photos_in_mixed_formats(tmp_path: Path) -> None:
     root = photos.build(tmp_path / "photos")

@@ -99,7 +99,7 @@ def preflight(cfg: Config) -> None:
             models.load_weights(model, cfg.model.name, cfg.model.weights)
         finetune.frozen_names(model, cfg.model.name, cfg.model.freeze)
     train_size = len(data.load(cfg.data, cfg.run.seed, channels=spec.channels).train)
-    if cfg.train.batch_size > train_size:
+    if cfg.train.batch_size != "auto" and cfg.train.batch_size > train_size:
         raise PipelineError(
             f"train.batch_size: {cfg.train.batch_size} is larger than the training split ({train_size} images of "
             f"data.source {cfg.data.source!r}): one step would be more than the whole epoch"

@@ -24,12 +24,12 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler, Subset
 from tqdm import tqdm
 
 import models
-from pipeline import data, layout
+from pipeline import data, layout, modelfile
 from pipeline.config import Config
 from pipeline.errors import PipelineError
 from pipeline.files import write_json
 from pipeline.manifest import RunDir
-from pipeline.train import batchnorm, checkpoint, finetune, runtime, stepping, strategy, thermal
+from pipeline.train import batchnorm, checkpoint, finetune, plan, runtime, stepping, strategy, thermal
 from pipeline.train.metrics import MetricsLog
 from pipeline.train.runtime import Runtime
 
@@ -64,12 +64,21 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, rt: Runtime) -> None:
         self.cfg, self.run_dir, self.rt = cfg, run_dir, rt
         channels = models.spec_for(cfg.model.name).channels
-        splits = data.load(cfg.data, cfg.run.seed, channels=channels, pretrained=cfg.model.weights is not None)
+        weights = cfg.model.weights
+        prior = modelfile.recorded_stats(weights) if weights is not None else None
+        splits = data.load(cfg.data, cfg.run.seed, channels=channels, pretrained=weights is not None, prior=prior)
         self.info, self.skipped = splits.info, splits.skipped
-        if rt.is_main and self.skipped:
-            print(f"data: skipped {len(self.skipped)} unreadable image(s), first {self.skipped[0]}", file=sys.stderr)
+        self.plan = plan.plan(cfg.train, len(splits.train), rt.world_size, pretrained=weights is not None)
+        if rt.is_main:
+            lines = (
+                [f"data: skipped {len(self.skipped)} unreadable image(s), first {self.skipped[0]}"]
+                if self.skipped
+                else []
+            )
+            lines += [*self.plan.why, f"data.normalize {cfg.data.normalize}: {self.info.normalization} statistics"]
+            print("\n".join(lines), file=sys.stderr)
         self.sampler = DistributedSampler(splits.train, rt.world_size, rt.rank, shuffle=True, seed=cfg.run.seed)
-        batch = per_rank_batch(cfg.train.batch_size, rt.world_size)
+        batch = per_rank_batch(self.plan.batch_size, rt.world_size)
         self.batch = batch
         self.resumable = ResumableSampler(self.sampler)
         self.train_loader = DataLoader(splits.train, batch_size=batch, sampler=self.resumable)
@@ -92,14 +101,14 @@ class Trainer:
         # FSDP swaps parameters for sharded ones in place and DDP wraps them: find them by name after wrapping.
         self.frozen = [p for n, p in strategy.unwrap(self.model).named_parameters() if n in frozen]
         self.freezing = False
-        self.optim = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=self.plan.lr, weight_decay=cfg.train.weight_decay)
         self.scaler = stepping.make_scaler(rt, self.model)
         self.event: str | None = None
         sensor = thermal.sensor(cfg.train.thermal_path)
         limit, every = cfg.train.thermal_limit_c, cfg.train.thermal_every_steps
         self.thermal = thermal.Controller(cfg.train.accumulation, limit, sensor, every, max_factor=batch)
         self.steps_per_epoch = len(self.train_loader)
-        self.total_steps = cfg.train.epochs * self.steps_per_epoch
+        self.total_steps = self.plan.epochs * self.steps_per_epoch
         self.warmup_steps = min(round(cfg.train.warmup_epochs * self.steps_per_epoch), self.total_steps)
         self.frozen_steps = cfg.model.freeze_epochs * self.steps_per_epoch
         self.bn_images = 0
@@ -199,7 +208,7 @@ class Trainer:
         self.model.train()
         bar = tqdm(
             self.train_loader,
-            desc=f"epoch {epoch + 1}/{self.cfg.train.epochs}",
+            desc=f"epoch {epoch + 1}/{self.plan.epochs}",
             unit="step",
             file=sys.stderr,
             disable=not self.rt.is_main,
@@ -208,7 +217,7 @@ class Trainer:
         last = time.perf_counter()
         every = self.cfg.train.checkpoint_every_steps
         for index, (x, y) in enumerate(bar, start=skip + 1):
-            lr = finetune.scheduled_lr(self.cfg.train.lr, step, self.total_steps, self.warmup_steps)
+            lr = finetune.scheduled_lr(self.plan.lr, step, self.total_steps, self.warmup_steps)
             self.freezing = bool(self.frozen) and step < self.frozen_steps
             x = stepping.augment(x, self.cfg.train.augment_shift, self.cfg.run.seed, self.rt.rank, step)
             self.event = None
@@ -290,7 +299,8 @@ class Trainer:
         accuracy, val_loss = self.validate()
         self.modes = self.check_modes()
         if log is not None:
-            row = {"epoch": epoch, "val_accuracy": accuracy, "val_loss": val_loss, "bn_images": self.bn_images}
+            row = {"epoch": epoch, "epochs": self.plan.epochs, "val_accuracy": accuracy, "val_loss": val_loss}
+            row["bn_images"] = self.bn_images
             if self.modes is not None:
                 row |= {"eval_mode_accuracy": self.modes.eval_accuracy}
                 row |= {"train_mode_accuracy": self.modes.train_mode_accuracy}
@@ -308,7 +318,7 @@ class Trainer:
             log = MetricsLog(self.run_dir / layout.METRICS, start_epoch, step if skip else None)
         accuracy: float | None = None
         try:
-            for epoch in range(start_epoch, self.cfg.train.epochs):
+            for epoch in range(start_epoch, self.plan.epochs):
                 step = self.train_epoch(epoch, step, log, skip if epoch == start_epoch else 0)
                 accuracy = self.end_epoch(epoch, step, log)
             self.checkpointer.wait()
@@ -323,11 +333,13 @@ class Trainer:
             self.modes = self.check_modes()
         modes = self.modes
         return {
-            "epochs": self.cfg.train.epochs,
+            "epochs": self.plan.epochs,
             "steps": step,
             "val_accuracy": accuracy,
             "world_size": self.rt.world_size,
-            "global_batch": per_rank_batch(self.cfg.train.batch_size, self.rt.world_size) * self.rt.world_size,
+            "global_batch": self.batch * self.rt.world_size,
+            "lr": self.plan.lr,
+            "normalization": self.info.normalization,
             "backend": self.rt.backend,
             "precision": self.rt.precision,
             "compression": self.cfg.train.compression,

@@ -50,6 +50,20 @@ def test_flow_fails_when_a_stage_fails(tmp_path: Path):
         state.result()
 
 
+@pytest.mark.slow
+def test_flow_run_below_the_accuracy_floor_fails_with_the_report_written(tmp_path: Path):
+    run_dir = tmp_path / "run"
+    # One epoch on the digits, held to a floor it cannot reach: stopped before build, and the flow run fails.
+    overrides = [*_overrides(tmp_path, epochs=1), "retrain.min_accuracy=1.0"]
+    state = train_to_deploy(run_dir=str(run_dir), overrides=overrides, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(Exception, match=r"stopped before build: validation accuracy .* below the floor 1\.0000"):
+        state.result()
+    text = (run_dir / "report.md").read_text()
+    assert "**Stopped early:** stopped before build" in text and "Accuracy floor: failed" in text
+    assert not (tmp_path / "device").exists()
+
+
 def test_retraining_skips_unchanged_data_and_promotes_only_a_good_enough_model(tmp_path: Path):
     base = [*_overrides(tmp_path, epochs=2), "run.seed=1"]
     champion = train_to_deploy(overrides=base)

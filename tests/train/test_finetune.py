@@ -11,10 +11,10 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
 import models
-from pipeline import layout, train
+from pipeline import layout, modelfile, train
 from pipeline.config import validate
 from pipeline.errors import PipelineError
-from pipeline.files import read_json
+from pipeline.files import read_json, write_json
 from pipeline.manifest import create_run_dir
 from pipeline.train.finetune import frozen_names, scheduled_lr
 
@@ -133,3 +133,23 @@ def test_fine_tuning_replaces_the_head_and_trains_only_it_while_frozen(tmp_path:
     assert all(torch.equal(first[n], source[n]) for n in backbone)  # frozen through epoch 1
     assert not all(torch.equal(second[n], first[n]) for n in backbone)  # trains in epoch 2
     assert not torch.equal(first["5.bias"], second["5.bias"])
+
+
+def test_the_statistics_a_weights_file_was_trained_with_come_from_its_metadata_or_its_model_json(
+    tmp_path: Path,
+) -> None:
+    net = models.build_model("small_cnn", 3, 3)
+    meta = {"architecture": "small_cnn", "num_classes": 3, "input": {"mean": [0.1, 0.2, 0.3], "std": [0.4, 0.5, 0.6]}}
+    modelfile.write_model(tmp_path / "run", net.state_dict(), meta)
+    weights = tmp_path / "run" / layout.WEIGHTS_NAME
+    (tmp_path / "run" / layout.MODEL_JSON_NAME).unlink()  # copied alone: the file's own tags still say
+    assert modelfile.recorded_stats(weights) == ([0.1, 0.2, 0.3], [0.4, 0.5, 0.6])
+
+    (tmp_path / "older").mkdir()
+    untagged = saved(net, tmp_path / "older" / "model.safetensors")
+    assert modelfile.recorded_stats(untagged) is None  # from elsewhere: ImageNet's
+    write_json(tmp_path / "older" / layout.MODEL_JSON_NAME, meta)  # an earlier run's model/ directory
+    assert modelfile.recorded_stats(untagged) == ([0.1, 0.2, 0.3], [0.4, 0.5, 0.6])
+    write_json(tmp_path / "older" / layout.MODEL_JSON_NAME, {**meta, "input": {"mean": [0.1], "std": [0.0]}})
+    assert modelfile.recorded_stats(untagged) is None  # a zero std is no statistics
+    assert modelfile.recorded_stats(saved(net, tmp_path / "older" / "published.pth")) is None
