@@ -64,7 +64,9 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, rt: Runtime) -> None:
         self.cfg, self.run_dir, self.rt = cfg, run_dir, rt
         channels = models.spec_for(cfg.model.name).channels
-        splits = data.load(cfg.data, cfg.run.seed, channels=channels, pretrained=cfg.model.weights is not None)
+        splits = data.load(
+            runtime.data_config(cfg.data), cfg.run.seed, channels=channels, pretrained=cfg.model.weights is not None
+        )
         self.info, self.skipped = splits.info, splits.skipped
         if rt.is_main and self.skipped:
             print(f"data: skipped {len(self.skipped)} unreadable image(s), first {self.skipped[0]}", file=sys.stderr)
