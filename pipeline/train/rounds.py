@@ -39,7 +39,7 @@ from pipeline.safe_dcp import read_metadata
 from pipeline.train import checkpoint, nodedata
 from pipeline.train.cluster import NodeCheck, bounds, check_all, check_one, code_bundle, python_path, refuse_unready
 from pipeline.train.launcher import free_port
-from pipeline.train.runtime import DATA_PATH_ENV
+from pipeline.train.runtime import DATA_LOCAL_ENV, DATA_PATH_ENV
 
 POLL_S = 2.0
 """Seconds between the controller's looks at the devices: a new checkpoint to copy, the last step, a device back."""
@@ -335,6 +335,8 @@ class Job:
             "OMP_NUM_THREADS": str(self.cfg.train.threads_per_rank),
             "PORT": str(self.port),
         }
+        if nodedata.node_local(self.cfg):
+            env[DATA_LOCAL_ENV] = "1"
         if self.dataset is not None:
             env[DATA_PATH_ENV] = nodedata.tree_dir(target, self.dataset.id)
         if target.ifname:

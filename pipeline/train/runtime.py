@@ -25,6 +25,16 @@ def data_config(cfg: DataConfig) -> DataConfig:
     return cfg.model_copy(update={"path": Path(where)}) if where else cfg
 
 
+DATA_LOCAL_ENV = "PIPELINE_DATA_LOCAL"
+"""Set to 1 by cluster training when each device reads its own `data.path`: the ranks then share their device's
+images among themselves instead of taking a global shard of images every device holds."""
+
+
+def node_local_data() -> bool:
+    """True when this device's folder is its own (pipeline.train.nodedata), not a copy of one every device has."""
+    return os.environ.get(DATA_LOCAL_ENV) == "1"
+
+
 @dataclass(frozen=True)
 class Runtime:
     """This rank's place in the job and the numeric settings it trains with."""

@@ -108,3 +108,17 @@ def test_node_local_data_is_fingerprinted_on_every_device(jetson_fleet, forwardi
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "same class folders" in out.stderr and "node-" in out.stderr
     assert marked_processes(fleet) == []
+
+
+def test_node_sampler_shares_a_devices_images_among_its_ranks_in_equal_steps() -> None:
+    """Node-local data: the device's ranks split its images without overlap, take as many as the smallest device's
+    share allows (so every rank of the job runs as many steps), and draw other images in the next epoch."""
+    from pipeline.train.worker import NodeSampler
+
+    ranks = [NodeSampler(13, 5, 2, rank, seed=0) for rank in range(2)]
+    first = [list(r) for r in ranks]
+    assert [len(r) for r in ranks] == [5, 5] and [len(x) for x in first] == [5, 5]
+    assert not set(first[0]) & set(first[1]) and set(first[0] + first[1]) <= set(range(13))
+    for r in ranks:
+        r.set_epoch(1)
+    assert [list(r) for r in ranks] != first
