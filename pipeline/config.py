@@ -73,6 +73,11 @@ class DataConfig(Section):
     """Smallest share of an image's area a random resized crop keeps (torchvision's `scale=(crop_scale, 1)`)."""
     hflip: bool = True
     """Flip training images left-right at random (`data.augment`); turn off for text or asymmetric signs."""
+    sync: bool = False
+    """Cluster training (`train.inventory`) with `source = "imagefolder"`: `true` sends `data.path` from this machine
+    to every device before the job starts (verified, deduplicated, resumable: an unchanged folder sends nothing);
+    `false` has each device read `data.path` on its own disk (cameras keep their own images), and the run's data
+    fingerprint then covers every device's folder."""
     on_bad_image: Literal["error", "skip"] = "error"
     """An ImageFolder file that cannot be decoded: `error` stops before training with one line naming it; `skip`
     leaves it out, and the log and train/summary.json count the skipped files."""

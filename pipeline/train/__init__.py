@@ -31,8 +31,14 @@ __all__ = ["STAGE", "launch", "run"]
 
 
 def fingerprints(cfg: Config) -> dict[str, str]:
-    """What the stage reads from outside the run dir: the dataset and, when set, the initial weights file."""
+    """What the stage reads from outside the run dir: the dataset (every device's own, when cluster training reads
+    `data.path` on each device) and, when set, the initial weights file."""
     external = {"data": data.fingerprint(cfg.data)}
+    if cfg.train.inventory is not None and cfg.data.source == "imagefolder" and not cfg.data.sync:
+        # Each device trains on its own folder: the run's data is all of them (asks every device, over SSH).
+        from pipeline.train import rounds
+
+        external["data"] = rounds.node_data_fingerprint(cfg)
     if cfg.model.weights is not None:
         try:
             external["weights"] = sha256_file(cfg.model.weights)

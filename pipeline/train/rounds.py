@@ -33,12 +33,13 @@ from pipeline.config import Config
 from pipeline.errors import PipelineError
 from pipeline.files import read_json, write_json
 from pipeline.fleet import upload
-from pipeline.fleet.inventory import Inventory, load_inventory
+from pipeline.fleet.inventory import Inventory, SshTarget, load_inventory
 from pipeline.fleet.ssh import FAILURES, Device
 from pipeline.safe_dcp import read_metadata
-from pipeline.train import checkpoint
+from pipeline.train import checkpoint, nodedata
 from pipeline.train.cluster import NodeCheck, bounds, check_all, check_one, code_bundle, python_path, refuse_unready
 from pipeline.train.launcher import free_port
+from pipeline.train.runtime import DATA_LOCAL_ENV, DATA_PATH_ENV
 
 POLL_S = 2.0
 """Seconds between the controller's looks at the devices: a new checkpoint to copy, the last step, a device back."""
@@ -175,8 +176,13 @@ class Job:
         code: upload.Bundle,
         workdir: Path,
         printer: Printer,
+        dataset: upload.Bundle | None = None,
     ) -> None:
         self.cfg, self.run_dir, self.code, self.workdir = cfg, run_dir, code, workdir
+        self.dataset = dataset
+        """The controller's image folder, sent to each device before it trains (`data.sync`); None: not sent."""
+        self.sent = {"code": sum(n.bytes_sent for n in nodes), "data": 0, "checkpoints": 0}
+        """Bytes sent to the devices, by what they were: what it cost to start (and restart) the job."""
         self.minimum, self.maximum = bounds(cfg.train.nnodes, len(nodes))
         self.ready, self.away = nodes[: self.maximum], list(nodes[self.maximum :])
         self.printer = printer
@@ -222,6 +228,7 @@ class Job:
             "nodes": [n.name for n in members],
             "rounds": self.rounds,
             "events": [e.record() for e in self.events],
+            "bytes_sent": dict(self.sent),
         }
 
     async def _connect(self, check: NodeCheck) -> Node:
@@ -328,6 +335,10 @@ class Job:
             "OMP_NUM_THREADS": str(self.cfg.train.threads_per_rank),
             "PORT": str(self.port),
         }
+        if nodedata.node_local(self.cfg):
+            env[DATA_LOCAL_ENV] = "1"
+        if self.dataset is not None:
+            env[DATA_PATH_ENV] = nodedata.tree_dir(target, self.dataset.id)
         if target.ifname:
             env |= {"GLOO_SOCKET_IFNAME": target.ifname, "NCCL_SOCKET_IFNAME": target.ifname}
         if self.tqdm_quiet:
@@ -348,6 +359,9 @@ class Job:
         run, dev = node.run_dir, node.dev
         ckpts = f"{run}/train/checkpoints"
         await _must(dev, f"mkdir -p {shlex.quote(ckpts)} && rm -f {shlex.quote(run)}/{layout.SUMMARY}")
+        if self.dataset is not None:  # every round: a device that comes back may have lost it (or never had it)
+            sent = await nodedata.send(dev, self.dataset, self.workdir)
+            self.sent["data"] += sent  # added after the await: devices are prepared concurrently
         await dev.put(self.run_dir / layout.CONFIG_SNAPSHOT, f"{run}/{layout.CONFIG_SNAPSHOT}")
         metrics = self.run_dir / layout.METRICS
         if metrics.exists():
@@ -356,7 +370,8 @@ class Job:
         keep = found.name if found else ""
         if found is not None:
             files = {p.name: p for p in sorted(found.iterdir()) if p.is_file()}
-            await upload.send(dev, ckpts, upload.bundle(found.name, files), self.workdir)
+            cost = await upload.send(dev, ckpts, upload.bundle(found.name, files), self.workdir)
+            self.sent["checkpoints"] += cost.bytes
         # Only the checkpoint training goes on from stays: older ones and those of an abandoned round go.
         await _must(
             dev,
@@ -420,6 +435,7 @@ class Job:
             if self.away and not back and time.monotonic() - tried > REJOIN_EVERY_S and len(members) < self.maximum:
                 tried = time.monotonic()
                 checks = await asyncio.gather(*(check_one(c.target, self.code, self.workdir) for c in self.away))
+                self.sent["code"] += sum(c.bytes_sent for c in checks)
                 back = [c for c in checks if c.status == "ready"][: self.maximum - len(members)]
                 back_at = self.resumed_step()
 
@@ -463,10 +479,15 @@ def finish_summary(run_dir: Path, cluster: dict[str, Any], seconds: float) -> No
 
 
 async def _train(cfg: Config, run_dir: Path, inventory: Inventory, workdir: Path, output: Printer) -> None:
+    # A folder that cannot be sent is one line before any device is contacted.
+    dataset = nodedata.dataset_bundle(cfg.data, workdir) if nodedata.sent(cfg) else None
     code = code_bundle(workdir)
     checks = await check_all(inventory, code, workdir)
     refuse_unready(checks, cfg.train.strategy)  # one line, exit 2, before anything starts anywhere
-    job = Job(cfg, run_dir, checks, code, workdir, output)
+    data_record: dict[str, Any] = {"mode": "sent", "id": dataset.id} if dataset is not None else {}
+    if nodedata.node_local(cfg):
+        data_record = nodedata.record(await _node_data([c.target for c in checks], cfg, code.id))
+    job = Job(cfg, run_dir, checks, code, workdir, output, dataset)
     from torch.distributed import TCPStore  # seconds to import: only once the devices are known to be ready
 
     port = free_port("0.0.0.0")
@@ -482,7 +503,36 @@ async def _train(cfg: Config, run_dir: Path, inventory: Inventory, workdir: Path
         ) from None
     finally:
         del store
+    if data_record:
+        cluster["data"] = data_record
     finish_summary(run_dir, cluster, time.monotonic() - started)
+
+
+async def _node_data(targets: list[SshTarget], cfg: Config, code_id: str) -> dict[str, nodedata.NodeData]:
+    """Every device's own dataset (node-local `data.path`), reported by the device with the controller's code."""
+
+    async def one(target: SshTarget) -> nodedata.NodeData:
+        async with Device(target, command_timeout_s=nodedata.FINGERPRINT_TIMEOUT_S) as dev:
+            return await nodedata.report(dev, cfg.data, python_path(target, code_id))
+
+    found = await asyncio.gather(*(one(t) for t in targets))
+    return nodedata.check_classes({t.name: n for t, n in zip(targets, found, strict=True)})
+
+
+def node_data_fingerprint(cfg: Config) -> str:
+    """The run's data fingerprint when each device reads its own `data.path`: every device checked (and given the
+    code, which reads the folder there), then one digest over every device's folder."""
+    assert cfg.train.inventory is not None
+    inventory = load_inventory(cfg.train.inventory)
+    with tempfile.TemporaryDirectory(prefix="cluster-") as tmp:
+
+        async def collect() -> dict[str, nodedata.NodeData]:
+            code = code_bundle(Path(tmp))
+            checks = await check_all(inventory, code, Path(tmp))
+            refuse_unready(checks)
+            return await _node_data([c.target for c in checks], cfg, code.id)
+
+        return nodedata.combined(asyncio.run(collect()))
 
 
 def launch(cfg: Config, run_dir: Path, output: Callable[[str], None] | None = None) -> None:

@@ -6,12 +6,33 @@ import contextlib
 import datetime
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from pipeline.config import TrainConfig
+from pipeline.config import DataConfig, TrainConfig
 from pipeline.errors import PipelineError
+
+DATA_PATH_ENV = "PIPELINE_DATA_PATH"
+"""Set by cluster training on a device the controller sent the dataset to: where that device's copy is."""
+
+
+def data_config(cfg: DataConfig) -> DataConfig:
+    """`data` as this rank reads it: `data.path` is the controller's folder, but a device it was sent to reads its
+    own copy (pipeline.train.nodedata); the config itself stays the controller's, so checkpoints agree on it."""
+    where = os.environ.get(DATA_PATH_ENV)
+    return cfg.model_copy(update={"path": Path(where)}) if where else cfg
+
+
+DATA_LOCAL_ENV = "PIPELINE_DATA_LOCAL"
+"""Set to 1 by cluster training when each device reads its own `data.path`: the ranks then share their device's
+images among themselves instead of taking a global shard of images every device holds."""
+
+
+def node_local_data() -> bool:
+    """True when this device's folder is its own (pipeline.train.nodedata), not a copy of one every device has."""
+    return os.environ.get(DATA_LOCAL_ENV) == "1"
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ def per_rank_batch(global_batch: int, world_size: int) -> int:
 class ResumableSampler(Sampler[int]):
     """A DistributedSampler that can start an epoch part-way, after the samples a checkpoint says were done."""
 
-    def __init__(self, inner: DistributedSampler) -> None:
+    def __init__(self, inner: DistributedSampler | NodeSampler) -> None:
         self.inner, self.skip = inner, 0
 
     def __iter__(self) -> Iterator[int]:
@@ -56,6 +56,48 @@ class ResumableSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(self.inner) - self.skip
+
+
+class NodeSampler(Sampler[int]):
+    """Node-local data (each device its own folder): this rank's share of its device's images, `per_rank` of them
+    per epoch, drawn afresh each epoch. `per_rank` is the same on every rank of the job, so every rank runs the same
+    number of steps (a collective waits for all); a device with more images contributes a different subset of them
+    each epoch."""
+
+    def __init__(self, size: int, per_rank: int, replicas: int, rank: int, seed: int) -> None:
+        self.size, self.per_rank, self.replicas, self.rank, self.seed = size, per_rank, replicas, rank, seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Draw the next epoch's images (as DistributedSampler.set_epoch)."""
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        gen = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.size, generator=gen)[: self.per_rank * self.replicas]
+        return iter(order[self.rank :: self.replicas].tolist())
+
+    def __len__(self) -> int:
+        return self.per_rank
+
+
+def node_samplers(train_size: int, eval_size: int, seed: int, device: torch.device) -> tuple[NodeSampler, ...]:
+    """(train, unaugmented-train) samplers over this device's own images, shared among its local ranks."""
+    local, replicas = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    fewest = torch.tensor([train_size // replicas, eval_size // replicas], device=device)
+    dist.all_reduce(fewest, op=dist.ReduceOp.MIN)  # the smallest device's share sets every rank's
+    train, plain = (int(n) for n in fewest.tolist())
+    return NodeSampler(train_size, train, replicas, local, seed), NodeSampler(eval_size, plain, replicas, local, seed)
+
+
+def _train_size(own: int, rt: Runtime) -> int:
+    """The training split `train.* = "auto"` plans for. With each device's own images, every rank must plan the same
+    batch and epochs (or the collectives hang): the smallest device's count, once per device."""
+    if not runtime.node_local_data():
+        return own
+    smallest = torch.tensor([own], device=rt.device)
+    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+    return int(smallest.item()) * (rt.world_size // int(os.environ["LOCAL_WORLD_SIZE"]))
 
 
 class Trainer:
@@ -66,9 +108,13 @@ class Trainer:
         channels = models.spec_for(cfg.model.name).channels
         weights = cfg.model.weights
         prior = modelfile.recorded_stats(weights) if weights is not None else None
-        splits = data.load(cfg.data, cfg.run.seed, channels=channels, pretrained=weights is not None, prior=prior)
+        splits = data.load(
+            runtime.data_config(cfg.data), cfg.run.seed, channels=channels, pretrained=weights is not None, prior=prior
+        )
         self.info, self.skipped = splits.info, splits.skipped
-        self.plan = plan.plan(cfg.train, len(splits.train), rt.world_size, pretrained=weights is not None)
+        self.plan = plan.plan(
+            cfg.train, _train_size(len(splits.train), rt), rt.world_size, pretrained=weights is not None
+        )
         if rt.is_main:
             lines = (
                 [f"data: skipped {len(self.skipped)} unreadable image(s), first {self.skipped[0]}"]
@@ -77,16 +123,25 @@ class Trainer:
             )
             lines += [*self.plan.why, f"data.normalize {cfg.data.normalize}: {self.info.normalization} statistics"]
             print("\n".join(lines), file=sys.stderr)
-        self.sampler = DistributedSampler(splits.train, rt.world_size, rt.rank, shuffle=True, seed=cfg.run.seed)
+        self.sampler: DistributedSampler | NodeSampler
+        self.plain_sampler: DistributedSampler | NodeSampler
+        shards, shard = rt.world_size, rt.rank
+        if runtime.node_local_data():
+            # Each device's images are its own: its ranks share them, and validation counts every device's.
+            shards, shard = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+            sizes = (len(splits.train), len(splits.train_eval))  # type: ignore[arg-type]
+            self.sampler, self.plain_sampler = node_samplers(*sizes, cfg.run.seed, rt.device)
+        else:
+            self.sampler = DistributedSampler(splits.train, rt.world_size, rt.rank, shuffle=True, seed=cfg.run.seed)
+            # Unaugmented training images, as validation sees them: BatchNorm statistics are for eval-time inputs.
+            self.plain_sampler = DistributedSampler(splits.train_eval, rt.world_size, rt.rank, seed=cfg.run.seed)
         batch = per_rank_batch(self.plan.batch_size, rt.world_size)
         self.batch = batch
         self.resumable = ResumableSampler(self.sampler)
         self.train_loader = DataLoader(splits.train, batch_size=batch, sampler=self.resumable)
         # Disjoint strided shards: every validation image is counted exactly once across ranks.
-        own_val = Subset(splits.val, range(rt.rank, len(splits.val), rt.world_size))
+        own_val = Subset(splits.val, range(shard, len(splits.val), shards))
         self.val_loader = DataLoader(own_val, batch_size=VAL_BATCH)
-        # Unaugmented training images, as validation sees them: BatchNorm statistics are for eval-time inputs.
-        self.plain_sampler = DistributedSampler(splits.train_eval, rt.world_size, rt.rank, seed=cfg.run.seed)
         self.plain_loader = DataLoader(splits.train_eval, batch_size=batch, sampler=self.plain_sampler)
         self.input_shape = tuple(splits.train[0][0].shape)
         torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank

@@ -38,3 +38,14 @@ def test_nightly_runs_at_three_in_berlin_with_parameters_on_the_deployment():
     local = [d.astimezone(ZoneInfo("Europe/Berlin")) for d in dates]
     assert [(d.day, d.hour, d.minute) for d in local] == [(28, 3, 0), (29, 3, 0), (30, 3, 0)]
     assert [d.utcoffset() for d in local] == [dt.timedelta(hours=1), dt.timedelta(hours=2), dt.timedelta(hours=2)]
+
+
+def test_nightly_cluster_retrains_on_the_example_inventory():
+    from pipeline.config import load_config, read_toml
+
+    nightly = _deployments()["nightly-cluster"]
+    assert nightly["entrypoint"] == "flows/train_to_deploy.py:train_to_deploy"
+    cfg = load_config(REPO / nightly["parameters"]["config"])
+    assert cfg.train.inventory is not None and cfg.train.nnodes
+    inventory = read_toml(REPO / cfg.train.inventory, "inventory")  # the example's hosts are placeholders
+    assert len(inventory["targets"]) >= 2 and inventory["defaults"]["python"] == "/usr/bin/python3"
