@@ -118,7 +118,7 @@ class Decision:
     def line(self) -> str:
         """The log line."""
         preds = ", ".join(f"{m} {s:.3f}" for m, s in sorted(self.predicted_s.items(), key=lambda kv: kv[1]))
-        verb = f"{self.previous} -> {self.method}" if self.switched else f"stays {self.method}"
+        verb = f"{self.previous or 'warm-up'} -> {self.method}" if self.switched else f"stays {self.method}"
         return (
             f"compression auto: step {self.step}: {verb} ({self.reason}); link {self.latency_ms:.2f} ms + "
             f"{self.mbit_per_s:.1f} Mbit/s, compute {self.compute_s:.3f} s; predicted s/step: {preds}"
