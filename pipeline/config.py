@@ -136,6 +136,9 @@ class TrainConfig(Section):
     model, 1% but at least 2048 entries and at most 10% (1% of small_cnn's 20k gradients lost 7.5 points)."""
     localsgd_period: int = Field(8, ge=1)
     """`localsgd`: steps between model averagings after warm-up."""
+    localsgd_int8: bool = False
+    """`localsgd`: average each tensor's change since the last averaging in 8 bits (one fp32 scale per tensor) with
+    error feedback, instead of the fp32 parameters: a quarter of the bytes on each averaging step."""
     compression_auto_every_steps: int = Field(20, ge=1)
     """`auto`: steps between link measurements (a timed all-reduce of 4 bytes and of 512 KiB). A switch needs the
     median of the last 3 to favour another method by 20% at 2 measurements in a row."""

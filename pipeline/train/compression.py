@@ -52,6 +52,7 @@ class Knobs:
     powersgd_rank: int
     topk_fraction: float
     localsgd_period: int
+    localsgd_int8: bool = False
 
 
 def warmup_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
@@ -100,7 +101,7 @@ def resolve(cfg: TrainConfig, model: nn.Module) -> Knobs:
             f"train.compression 'powersgd': no weight matrix of this model is large enough for rank "
             f"{cfg.powersgd_rank} to shrink it; use topk or sign"
         )
-    return Knobs(steps, cfg.powersgd_rank, fraction, cfg.localsgd_period)
+    return Knobs(steps, cfg.powersgd_rank, fraction, cfg.localsgd_period, cfg.localsgd_int8)
 
 
 _BIT_SHIFTS = torch.arange(7, -1, -1, dtype=torch.uint8)
@@ -350,13 +351,68 @@ HOOKS: dict[str, HookFactory] = {
 }
 
 
+class Int8DeltaAverager:
+    """Local SGD's periodic averaging in 8 bits: each rank sends how far each tensor moved since the last average
+    (its anchor, the same on every rank), quantised to int8 with one fp32 scale per tensor, keeping the rounding
+    error for the next averaging (error feedback). Every rank sums the same gathered payloads in the same order, so
+    the averaged parameters are identical on all. The first averaging, with no anchor yet, is in fp32."""
+
+    def __init__(self, period: int, warmup_steps: int, group: dist.ProcessGroup | None = None) -> None:
+        self.period, self.warmup_steps, self.group, self.step = period, warmup_steps, group, 0
+        self.anchor: list[torch.Tensor] = []
+        self.residual: list[torch.Tensor] = []
+        self.sent = 0
+        """Bytes the last averaging handed to collectives."""
+
+    def average_parameters(self, params: list[torch.Tensor]) -> None:
+        """Average when due (as PeriodicModelAverager: after warm-up, every `period` steps), then count the step."""
+        if self.step >= self.warmup_steps and (self.step - self.warmup_steps) % self.period == 0:
+            self._average(params)
+        self.step += 1
+
+    @torch.no_grad()
+    def _average(self, params: list[torch.Tensor]) -> None:
+        world = dist.get_world_size(self.group)
+        if not self.anchor:
+            flat = torch.cat([p.flatten() for p in params]).div_(world)
+            dist.all_reduce(flat, group=self.group)
+            for p, avg in zip(params, flat.split([p.numel() for p in params]), strict=True):
+                p.copy_(avg.view_as(p))
+            self.anchor = [p.detach().clone() for p in params]
+            self.residual = [torch.zeros_like(p) for p in params]
+            self.sent = flat.numel() * flat.element_size()
+            return
+        deltas = [p - a + r for p, a, r in zip(params, self.anchor, self.residual, strict=True)]
+        scales = torch.stack([d.abs().max() for d in deltas]).float().div_(127).clamp_(min=1e-30)
+        quantised = [d.div(s).round_().clamp_(-127, 127).to(torch.int8) for d, s in zip(deltas, scales, strict=True)]
+        self.residual = [d - q.to(d.dtype) * s for d, q, s in zip(deltas, quantised, scales, strict=True)]
+        payload = torch.cat([torch.cat([q.flatten() for q in quantised]), scales.view(torch.int8)])
+        parts = [torch.empty_like(payload) for _ in range(world)]
+        dist.all_gather(parts, payload, group=self.group)
+        self.sent = payload.numel()
+        n = payload.numel() - scales.numel() * 4
+        mean = [torch.zeros_like(a) for a in self.anchor]
+        for part in parts:
+            their_scales = part[n:].clone().view(torch.float32)
+            for m, q, s in zip(mean, part[:n].split([a.numel() for a in self.anchor]), their_scales, strict=True):
+                m.add_(q.view_as(m).to(m.dtype) * s)
+        for p, a, m in zip(params, self.anchor, mean, strict=True):
+            p.copy_(a + m.div_(world))
+            a.copy_(p)
+
+
 class Compression:
     """An installed method: its counter, and what it does after each optimizer step."""
 
     timed = True
     """Whether the counter's seconds are measured (False: `comm_s` is logged as null)."""
 
-    def __init__(self, counter: CommCounter, averager: PeriodicModelAverager | None = None, name: str = "") -> None:
+    def __init__(
+        self,
+        counter: CommCounter,
+        averager: PeriodicModelAverager | Int8DeltaAverager | None = None,
+        name: str = "",
+    ) -> None:
         self.counter = counter
         self.averager = averager
         self.name = name
@@ -373,7 +429,9 @@ class Compression:
         start = time.perf_counter()
         avg.average_parameters(params)
         if due:
-            self.counter.add(sum(p.numel() * p.element_size() for p in params), time.perf_counter() - start)
+            full = sum(p.numel() * p.element_size() for p in params)
+            sent = avg.sent if isinstance(avg, Int8DeltaAverager) else full
+            self.counter.add(sent, time.perf_counter() - start)
 
     def ran(self, seconds: float) -> None:
         """Account a finished step's wall time to the method that ran it."""
@@ -395,7 +453,8 @@ def install(model: DistributedDataParallel, cfg: TrainConfig, group: dist.Proces
     counter = CommCounter()
     state, hook = HOOKS[cfg.compression](knobs, group, counter)
     model.register_comm_hook(state, _timed(counter, hook))
-    averager = None
+    averager: PeriodicModelAverager | Int8DeltaAverager | None = None
     if cfg.compression == "localsgd":
-        averager = PeriodicModelAverager(knobs.localsgd_period, knobs.warmup_steps, group)
+        kind = Int8DeltaAverager if knobs.localsgd_int8 else PeriodicModelAverager
+        averager = kind(knobs.localsgd_period, knobs.warmup_steps, group)
     return Compression(counter, averager, cfg.compression)
