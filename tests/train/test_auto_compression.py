@@ -171,3 +171,11 @@ def test_auto_records_decisions_that_every_rank_follows(auto_run: Path) -> None:
     # Identical averaged gradients on both ranks, whatever ran: identical weights.
     assert ranks[0]["weights"] == ranks[1]["weights"]
     assert ranks[0]["summary"]["val_accuracy"] >= 0.7  # 2 epochs: `none` itself reaches about 0.8
+
+
+def test_switching_carries_what_error_feedback_has_not_sent() -> None:
+    sparse = compression._SparseState(None, compression.CommCounter(), compression._Steps(0))
+    sparse.residuals[0] = torch.ones(5)
+    assert torch.equal(auto_compression.residuals(sparse)[0], torch.ones(5))
+    ddp_state = compression._CountingState(None, compression.CommCounter())
+    assert auto_compression.residuals(ddp_state) == {}  # plain all-reduce sends everything
