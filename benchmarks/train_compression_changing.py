@@ -115,6 +115,7 @@ def summarise(method: str, run_dir: Path) -> dict[str, Any]:
             if "compression_decision" in r and r["compression_decision"]["switched"]
         ],
         "train_s": sum(r["batch"] / r["samples_per_s"] for r in steps),
+        "probe_s": sum(r["compression_decision"].get("probe_s", 0.0) for r in lines if "compression_decision" in r),
         "val_accuracy": summary["val_accuracy"],
         "compression_seconds": summary.get("compression_seconds"),
     }
@@ -155,7 +156,8 @@ def main() -> None:
     parser.add_argument("--model", default="mobilenet_v3_small")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--changes", default="30,60", help="steps at which the link goes to 10 Mbit/s, unshaped")
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated; Δ accuracy against none if run")
+    parser.add_argument("--suffix", default="", help="appended to the result files' names")
     args = parser.parse_args()
     args.changes = [int(x) for x in args.changes.split(",")]
     if len(args.changes) != 2:
@@ -171,7 +173,7 @@ def main() -> None:
             print(f"  train_s {rows[-1]['train_s']:.1f} acc {rows[-1]['val_accuracy']:.4f}", file=sys.stderr)
     fixed = [r for r in rows if r["method"] != "auto"]
     best = min(fixed, key=lambda r: r["train_s"])
-    base = next(r for r in rows if r["method"] == "none")
+    base = next((r for r in rows if r["method"] == "none"), best)
     for r in rows:
         r["vs_best_fixed"] = r["train_s"] / best["train_s"]
         r["accuracy_delta"] = r["val_accuracy"] - base["val_accuracy"]
@@ -179,9 +181,9 @@ def main() -> None:
     meta |= {"links": ["100mbit + 20 ms each way", "10mbit + 20 ms each way", "unshaped + 20 ms each way"]}
     meta |= {"train": TRAIN, "best_fixed": best["method"], "load_average_1m": os.getloadavg()[0]}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / "train_compression_changing.json"
+    out = RESULTS / f"train_compression_changing{args.suffix}.json"
     out.write_text(json.dumps({**meta, "methods": rows}, indent=2) + "\n")
-    plot(rows, args.changes, RESULTS / "train_compression_changing.png")
+    plot(rows, args.changes, RESULTS / f"train_compression_changing{args.suffix}.png")
     print("| method | training s | vs best fixed | val accuracy | Δ vs none |\n|---|---|---|---|---|")
     for r in rows:
         cells = [f"{r['train_s']:.1f}", f"{r['vs_best_fixed']:.2f}x", f"{r['val_accuracy']:.4f}"]

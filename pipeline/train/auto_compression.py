@@ -344,10 +344,11 @@ class AutoCompression(Compression):
             self.compute.append(max(seconds - self.step_hook_s - self.probe_s, 0.0))
 
     def fields(self) -> dict[str, Any]:
-        """The method that ran this step, and the decision made after it if there was one."""
+        """The method that ran this step, and the decision made after it if there was one (with `probe_s`, the
+        seconds its measurements and collectives took)."""
         row: dict[str, Any] = {"compression": self.name}
         if self.last is not None and self.last.step == self.steps:
-            row["compression_decision"] = self.last.record()
+            row["compression_decision"] = self.last.record() | {"probe_s": self.probe_s}
         return row
 
     def _decide(self) -> None:
