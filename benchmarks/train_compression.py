@@ -2,12 +2,12 @@
 
     python benchmarks/train_compression.py [--link weak|loopback] [--epochs 3] [--methods none,fp16,...]
 
-Each method trains resnet18 on the built-in digits (32 px, global batch 32, 3 epochs, seed 0) as one 2-node job
-of `pipeline train --nnodes 2`, one rank per node. `--link weak` (the default, root only) puts node 0 and node 1 in
-two network namespaces joined by a veth limited to 100 Mbit/s with 20 ms added each way (benchmarks/weaklink.py);
-`--link loopback` runs both nodes on 127.0.0.1, unshaped. Per method: the mean wall time of the steps after the
-warm-up (local SGD's periodic averaging steps included), the mean `comm_bytes` of those steps, and the final
-validation accuracy; the speed-up is against `none` of the same run. Writes
+Every `train.compression` value, `auto` included, trains resnet18 on the built-in digits (32 px, global batch 32,
+3 epochs, seed 0) as one 2-node job of `pipeline train --nnodes 2`, one rank per node. `--link weak` (the default,
+root only) puts node 0 and node 1 in two network namespaces joined by a veth limited to 100 Mbit/s with 20 ms added
+each way (benchmarks/weaklink.py); `--link loopback` runs both nodes on 127.0.0.1, unshaped. Per method: the mean
+wall time of the steps after the warm-up (local SGD's periodic averaging steps included), the mean `comm_bytes` of
+those steps, and the final validation accuracy; the speed-up is against `none` of the same run. Writes
 benchmarks/results/train_compression[_loopback].json and .png, and prints a table.
 """
 
@@ -164,7 +164,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--rate", default="100mbit")
     parser.add_argument("--delay-ms", type=float, default=20.0)
-    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated; must include none")
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated (auto too); must include none")
     args = parser.parse_args()
     methods = args.methods.split(",")
     if "none" not in methods:

@@ -1,9 +1,10 @@
 """Gradient compression as DDP communication hooks, each counting the bytes it puts on the wire and the time it takes.
 
-A method is a factory in :data:`HOOKS`: given the train config, the process group and a :class:`CommCounter`, it
-returns the (state, hook) pair for ``DistributedDataParallel.register_comm_hook``. Each counts its own payload,
-since only it knows what it sends. :func:`install` registers one and returns a :class:`Compression`, whose
-:meth:`Compression.after_step` runs what a method does after the optimizer step (local SGD's model averaging).
+A method is a factory in :data:`HOOKS`: given its resolved :class:`Knobs`, the process group and a
+:class:`CommCounter`, it returns the (state, hook) pair for ``DistributedDataParallel.register_comm_hook``. Each
+counts its own payload, since only it knows what it sends. :func:`install` registers one and returns a
+:class:`Compression`, whose :meth:`Compression.after_step` runs what a method does after the optimizer step (local
+SGD's model averaging).
 
 Gloo constraints shape the methods (docs/torch-distributed.md#powersgd-on-gloo, #all-gather-hooks-keyed-by-bucket):
 PowerSGD waits for its own future before returning, so ranks issue
@@ -27,12 +28,82 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeline.config import TrainConfig
+from pipeline.errors import PipelineError
 
-BLOCKING = ("powersgd", "topk", "sign")
+BLOCKING = ("powersgd", "topk", "sign", "auto")
 """Methods whose hook finishes its collectives before it returns: their round trips overlap nothing, so each extra
-DDP bucket costs a few more of them per step (on a 40 ms link, PowerSGD in 3 buckets took twice as long as in one)."""
+DDP bucket costs a few more of them per step (on a 40 ms link, PowerSGD in 3 buckets took twice as long as in one).
+`auto` runs them too, and switches between methods on a fixed bucket layout."""
+WARMING_METHODS = ("powersgd", "topk", "sign", "localsgd", "auto")
+"""Methods that run plain all-reduce for `compression_warmup_epochs` (or `_steps`) before they start."""
+TOPK_MIN_ENTRIES = 2048
+"""Fewest entries `topk` sends by default: 1% of a 20k-parameter CNN (202 entries) lost 7.5 points on the digits."""
+TOPK_FRACTIONS = (0.01, 0.1)
+"""Range of the default `topk_fraction`: 1% for large models (resnet18 at 1% was within 0.6 points), 10% at most."""
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
-HookFactory = Callable[[TrainConfig, dist.ProcessGroup | None, "CommCounter"], tuple[Any, CommHook]]
+HookFactory = Callable[["Knobs", dist.ProcessGroup | None, "CommCounter"], tuple[Any, CommHook]]
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """A method's settings resolved for one model and one epoch length."""
+
+    warmup_steps: int
+    powersgd_rank: int
+    topk_fraction: float
+    localsgd_period: int
+    localsgd_int8: bool = False
+
+
+def warmup_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
+    """Steps of plain all-reduce: `compression_warmup_steps` if set, else `compression_warmup_epochs` of steps
+    (at least 2 for PowerSGD's error feedback, which needs DDP's buckets rebuilt after the first step)."""
+    if cfg.compression_warmup_steps is not None:
+        return cfg.compression_warmup_steps
+    steps = round(cfg.compression_warmup_epochs * steps_per_epoch)
+    return max(steps, 2) if cfg.compression in ("powersgd", "auto") else steps
+
+
+def default_topk_fraction(numel: int) -> float:
+    """1% of the gradients, but at least :data:`TOPK_MIN_ENTRIES` of them and at most 10%."""
+    low, high = TOPK_FRACTIONS
+    return min(high, max(low, TOPK_MIN_ENTRIES / numel))
+
+
+def powersgd_numel(shapes: list[torch.Size], rank: int) -> int:
+    """Elements PowerSGD sends per step: P (n x r) and Q (m x r) for each tensor it compresses (a matrix, viewed as
+    n x m, where that is smaller), every other tensor as it is (as torch's PowerSGD hook decides)."""
+    total = 0
+    for shape in shapes:
+        n = shape[0] if shape else 1
+        m = math.prod(shape) // n
+        r = min(n, m, rank)
+        # torch compresses a matrix only where that at least halves it (min_compression_rate=2).
+        total += (n + m) * r if len(shape) > 1 and n * m > 2 * (n + m) * r else math.prod(shape)
+    return total
+
+
+def resolve(cfg: TrainConfig, model: nn.Module) -> Knobs:
+    """The configured method's knobs for `model`; raises PipelineError for a method that cannot work on it.
+
+    `cfg.compression_warmup_steps` must be resolved already (:func:`warmup_steps`) for the warming methods.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in params)
+    steps = cfg.compression_warmup_steps
+    if steps is None:
+        if cfg.compression in WARMING_METHODS:
+            raise ValueError("compression_warmup_steps must be resolved with warmup_steps() before install")
+        steps = 0
+    fraction = cfg.topk_fraction if cfg.topk_fraction is not None else default_topk_fraction(numel)
+    if cfg.compression == "powersgd" and powersgd_numel([p.shape for p in params], cfg.powersgd_rank) >= numel:
+        raise PipelineError(
+            f"train.compression 'powersgd': no weight matrix of this model is large enough for rank "
+            f"{cfg.powersgd_rank} to shrink it; use topk or sign"
+        )
+    return Knobs(steps, cfg.powersgd_rank, fraction, cfg.localsgd_period, cfg.localsgd_int8)
+
+
 _BIT_SHIFTS = torch.arange(7, -1, -1, dtype=torch.uint8)
 
 
@@ -111,7 +182,7 @@ class _Steps:
 def _stock(inner: Callable[..., torch.futures.Future[torch.Tensor]], wire: torch.dtype | None) -> HookFactory:
     """Wrap a stock torch hook that takes (process_group, bucket): count numel * wire element size, then delegate."""
 
-    def factory(cfg: TrainConfig, group: dist.ProcessGroup | None, counter: CommCounter) -> tuple[Any, CommHook]:
+    def factory(knobs: Knobs, group: dist.ProcessGroup | None, counter: CommCounter) -> tuple[Any, CommHook]:
         def hook(state: _CountingState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
             buffer = bucket.buffer()
             state.counter.add(buffer.numel() * (wire or buffer.dtype).itemsize)
@@ -122,11 +193,11 @@ def _stock(inner: Callable[..., torch.futures.Future[torch.Tensor]], wire: torch
     return factory
 
 
-def _powersgd(cfg: TrainConfig, group: dist.ProcessGroup | None, counter: CommCounter) -> tuple[Any, CommHook]:
+def _powersgd(knobs: Knobs, group: dist.ProcessGroup | None, counter: CommCounter) -> tuple[Any, CommHook]:
     state = powerSGD_hook.PowerSGDState(
         process_group=group,
-        matrix_approximation_rank=cfg.powersgd_rank,
-        start_powerSGD_iter=cfg.compression_warmup_steps,
+        matrix_approximation_rank=knobs.powersgd_rank,
+        start_powerSGD_iter=max(knobs.warmup_steps, 2),
         use_error_feedback=True,
         warm_start=True,
     )
@@ -173,7 +244,7 @@ class _SparseState:
 def _sparse(compress: Callable[[_SparseState, dist.GradBucket], torch.Tensor]) -> HookFactory:
     """A synchronous all_gather-based method with error feedback, plain all-reduce during warm-up."""
 
-    def factory(cfg: TrainConfig, group: dist.ProcessGroup | None, counter: CommCounter) -> tuple[Any, CommHook]:
+    def factory(knobs: Knobs, group: dist.ProcessGroup | None, counter: CommCounter) -> tuple[Any, CommHook]:
         def hook(state: _SparseState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
             if state.steps.warming():
                 state.steps.tick(bucket)
@@ -182,7 +253,7 @@ def _sparse(compress: Callable[[_SparseState, dist.GradBucket], torch.Tensor]) -
             state.steps.tick(bucket)
             return _completed(compress(state, bucket))
 
-        return _SparseState(group, counter, _Steps(cfg.compression_warmup_steps)), hook
+        return _SparseState(group, counter, _Steps(knobs.warmup_steps)), hook
 
     return factory
 
@@ -243,14 +314,14 @@ def _sign(state: _SparseState, bucket: dist.GradBucket) -> torch.Tensor:
     return mean.div_(dist.get_world_size(state.group))
 
 
-def _localsgd(cfg: TrainConfig, group: dist.ProcessGroup | None, counter: CommCounter) -> tuple[Any, CommHook]:
+def _localsgd(knobs: Knobs, group: dist.ProcessGroup | None, counter: CommCounter) -> tuple[Any, CommHook]:
     # The default subgroup (one per node) raises on CPU (docs/torch-distributed.md#post-local-sgd-subgroup-on-cpu);
     # after warm-up no gradient is reduced at all.
     subgroup = dist.new_subgroups(group_size=1)[0]
     state = post_localSGD_hook.PostLocalSGDState(
         process_group=group,
         subgroup=subgroup,
-        start_localSGD_iter=cfg.compression_warmup_steps,
+        start_localSGD_iter=knobs.warmup_steps,
         post_local_gradient_allreduce=False,
     )
 
@@ -263,8 +334,8 @@ def _localsgd(cfg: TrainConfig, group: dist.ProcessGroup | None, counter: CommCo
 
 
 def _bound(factory: Callable[[float], Callable[[_SparseState, dist.GradBucket], torch.Tensor]]) -> HookFactory:
-    def make(cfg: TrainConfig, group: dist.ProcessGroup | None, counter: CommCounter) -> tuple[Any, CommHook]:
-        return _sparse(factory(cfg.topk_fraction))(cfg, group, counter)
+    def make(knobs: Knobs, group: dist.ProcessGroup | None, counter: CommCounter) -> tuple[Any, CommHook]:
+        return _sparse(factory(knobs.topk_fraction))(knobs, group, counter)
 
     return make
 
@@ -280,15 +351,73 @@ HOOKS: dict[str, HookFactory] = {
 }
 
 
+class Int8DeltaAverager:
+    """Local SGD's periodic averaging in 8 bits: each rank sends how far each tensor moved since the last average
+    (its anchor, the same on every rank), quantised to int8 with one fp32 scale per tensor, keeping the rounding
+    error for the next averaging (error feedback). Every rank sums the same gathered payloads in the same order, so
+    the averaged parameters are identical on all. The first averaging, with no anchor yet, is in fp32."""
+
+    def __init__(self, period: int, warmup_steps: int, group: dist.ProcessGroup | None = None) -> None:
+        self.period, self.warmup_steps, self.group, self.step = period, warmup_steps, group, 0
+        self.anchor: list[torch.Tensor] = []
+        self.residual: list[torch.Tensor] = []
+        self.sent = 0
+        """Bytes the last averaging handed to collectives."""
+
+    def average_parameters(self, params: list[torch.Tensor]) -> None:
+        """Average when due (as PeriodicModelAverager: after warm-up, every `period` steps), then count the step."""
+        if self.step >= self.warmup_steps and (self.step - self.warmup_steps) % self.period == 0:
+            self._average(params)
+        self.step += 1
+
+    @torch.no_grad()
+    def _average(self, params: list[torch.Tensor]) -> None:
+        world = dist.get_world_size(self.group)
+        if not self.anchor:
+            flat = torch.cat([p.flatten() for p in params]).div_(world)
+            dist.all_reduce(flat, group=self.group)
+            for p, avg in zip(params, flat.split([p.numel() for p in params]), strict=True):
+                p.copy_(avg.view_as(p))
+            self.anchor = [p.detach().clone() for p in params]
+            self.residual = [torch.zeros_like(p) for p in params]
+            self.sent = flat.numel() * flat.element_size()
+            return
+        deltas = [p - a + r for p, a, r in zip(params, self.anchor, self.residual, strict=True)]
+        scales = torch.stack([d.abs().max() for d in deltas]).float().div_(127).clamp_(min=1e-30)
+        quantised = [d.div(s).round_().clamp_(-127, 127).to(torch.int8) for d, s in zip(deltas, scales, strict=True)]
+        self.residual = [d - q.to(d.dtype) * s for d, q, s in zip(deltas, quantised, scales, strict=True)]
+        payload = torch.cat([torch.cat([q.flatten() for q in quantised]), scales.view(torch.int8)])
+        parts = [torch.empty_like(payload) for _ in range(world)]
+        dist.all_gather(parts, payload, group=self.group)
+        self.sent = payload.numel()
+        n = payload.numel() - scales.numel() * 4
+        mean = [torch.zeros_like(a) for a in self.anchor]
+        for part in parts:
+            their_scales = part[n:].clone().view(torch.float32)
+            for m, q, s in zip(mean, part[:n].split([a.numel() for a in self.anchor]), their_scales, strict=True):
+                m.add_(q.view_as(m).to(m.dtype) * s)
+        for p, a, m in zip(params, self.anchor, mean, strict=True):
+            p.copy_(a + m.div_(world))
+            a.copy_(p)
+
+
 class Compression:
     """An installed method: its counter, and what it does after each optimizer step."""
 
     timed = True
     """Whether the counter's seconds are measured (False: `comm_s` is logged as null)."""
 
-    def __init__(self, counter: CommCounter, averager: PeriodicModelAverager | None = None) -> None:
+    def __init__(
+        self,
+        counter: CommCounter,
+        averager: PeriodicModelAverager | Int8DeltaAverager | None = None,
+        name: str = "",
+    ) -> None:
         self.counter = counter
         self.averager = averager
+        self.name = name
+        self.seconds: dict[str, float] = {}
+        """Wall seconds of the steps each method ran (the summary's `compression_seconds`)."""
 
     def after_step(self, model: nn.Module) -> None:
         """Local SGD: average the parameters across ranks every `period` steps after warm-up, counting the bytes."""
@@ -300,15 +429,32 @@ class Compression:
         start = time.perf_counter()
         avg.average_parameters(params)
         if due:
-            self.counter.add(sum(p.numel() * p.element_size() for p in params), time.perf_counter() - start)
+            full = sum(p.numel() * p.element_size() for p in params)
+            sent = avg.sent if isinstance(avg, Int8DeltaAverager) else full
+            self.counter.add(sent, time.perf_counter() - start)
+
+    def ran(self, seconds: float) -> None:
+        """Account a finished step's wall time to the method that ran it."""
+        self.seconds[self.name] = self.seconds.get(self.name, 0.0) + seconds
+
+    def fields(self) -> dict[str, Any]:
+        """What the step's metrics line records about compression: the method that ran it."""
+        return {"compression": self.name}
 
 
 def install(model: DistributedDataParallel, cfg: TrainConfig, group: dist.ProcessGroup | None = None) -> Compression:
     """Register the configured compression hook on a DDP model and return what counts and completes it."""
+    knobs = resolve(cfg, model.module)
+    if cfg.compression == "auto":
+        # auto builds on this module's hooks: imported here, where both are loaded.
+        from pipeline.train import auto_compression
+
+        return auto_compression.install(model, cfg, knobs, group)
     counter = CommCounter()
-    state, hook = HOOKS[cfg.compression](cfg, group, counter)
+    state, hook = HOOKS[cfg.compression](knobs, group, counter)
     model.register_comm_hook(state, _timed(counter, hook))
-    averager = None
+    averager: PeriodicModelAverager | Int8DeltaAverager | None = None
     if cfg.compression == "localsgd":
-        averager = PeriodicModelAverager(cfg.localsgd_period, cfg.compression_warmup_steps, group)
-    return Compression(counter, averager)
+        kind = Int8DeltaAverager if knobs.localsgd_int8 else PeriodicModelAverager
+        averager = kind(knobs.localsgd_period, knobs.warmup_steps, group)
+    return Compression(counter, averager, cfg.compression)

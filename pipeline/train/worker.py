@@ -29,7 +29,7 @@ from pipeline.config import Config
 from pipeline.errors import PipelineError
 from pipeline.files import write_json
 from pipeline.manifest import RunDir
-from pipeline.train import batchnorm, checkpoint, finetune, plan, runtime, stepping, strategy, thermal
+from pipeline.train import batchnorm, checkpoint, compression, finetune, plan, runtime, stepping, strategy, thermal
 from pipeline.train.metrics import MetricsLog
 from pipeline.train.runtime import Runtime
 
@@ -152,7 +152,11 @@ class Trainer:
         self.strategy, reason = strategy.choose(net, torch.zeros(1, *self.input_shape), batch, cfg.train, rt)
         if rt.is_main:
             print(f"strategy: {self.strategy} ({reason})", file=sys.stderr)
-        self.model, self.comm = strategy.wrap(net, cfg.train, rt, self.strategy)
+        # The compression warm-up counts in epochs: the hooks need it in steps.
+        warmup = compression.warmup_steps(cfg.train, len(self.train_loader))
+        hooked = cfg.train.model_copy(update={"compression_warmup_steps": warmup})
+        self.model, self.comm = strategy.wrap(net, hooked, rt, self.strategy)
+        self.comm.name = self.comm.name or cfg.train.compression
         # FSDP swaps parameters for sharded ones in place and DDP wraps them: find them by name after wrapping.
         self.frozen = [p for n, p in strategy.unwrap(self.model).named_parameters() if n in frozen]
         self.freezing = False
@@ -285,13 +289,14 @@ class Trainer:
             now, samples = time.perf_counter(), len(x) * self.rt.world_size
             seconds, last = now - last, now
             self.samples, self.train_seconds = self.samples + samples, self.train_seconds + seconds
+            self.comm.ran(seconds)
             step += 1
             if log is not None:
                 row = {"step": step, "epoch": epoch, "loss": loss, "lr": lr, "comm_bytes": comm_bytes}
                 row["comm_s"] = comm_s if self.comm.timed else None
                 acc = self.thermal.accumulation
                 row |= {"accumulation": acc, "micro_batch": math.ceil(len(x) / acc), "batch": samples}
-                row |= {"temperature_c": self.thermal.last_c, "batch_event": self.event}
+                row |= {"temperature_c": self.thermal.last_c, "batch_event": self.event, **self.comm.fields()}
                 log.write({**row, "samples_per_s": samples / seconds})
             bar.set_postfix(loss=f"{loss:.3f}", refresh=False)  # the bar redraws at its own pace
             self.checkpointer.poll()
@@ -398,6 +403,7 @@ class Trainer:
             "backend": self.rt.backend,
             "precision": self.rt.precision,
             "compression": self.cfg.train.compression,
+            "compression_seconds": {k: round(v, 3) for k, v in self.comm.seconds.items()},
             "strategy": self.strategy,
             "samples_per_s": self.samples / self.train_seconds if self.train_seconds else 0.0,
             "bn_recalibration_images": self.bn_images,

@@ -21,24 +21,18 @@ from pipeline.train import compression, runtime, strategy
 from pipeline.train.worker import Trainer
 from tests.train.ranks import run_ranks
 
-METHODS = typing.get_args(TrainConfig.model_fields["compression"].annotation)
+METHODS = tuple(m for m in typing.get_args(TrainConfig.model_fields["compression"].annotation) if m != "auto")
+"""The fixed methods (`auto` picks among them: tests/train/test_auto_compression.py)."""
 WARMUP, RANK, FRACTION, PERIOD = 3, 2, 0.01, 4
+KNOBS = {"compression_warmup_steps": WARMUP, "powersgd_rank": RANK, "topk_fraction": FRACTION}
+KNOBS["localsgd_period"] = PERIOD
 Metrics = dict[str, list[dict[str, Any]]]
 
 
 def method_config(method: str, epochs: int, batch_size: int, **extra: Any) -> Config:
-    """digits/small_cnn on 2 ranks with `method`; everything else (seed included) the same for every method."""
-    train = {
-        "epochs": epochs,
-        "batch_size": batch_size,
-        "compression": method,
-        "compression_warmup_steps": WARMUP,
-        "powersgd_rank": RANK,
-        "topk_fraction": FRACTION,
-        "localsgd_period": PERIOD,
-        **extra,
-    }
-    return validate({"train": train}, "test")
+    """digits/small_cnn on 2 ranks with `method` and `extra` train settings; everything else (seed included) the
+    same for every method."""
+    return validate({"train": {"epochs": epochs, "batch_size": batch_size, "compression": method, **extra}}, "test")
 
 
 def train_methods(root: Path, epochs: int, batch_size: int, extra: dict[str, Any]) -> None:
@@ -58,15 +52,14 @@ def _train_all(root: Path, epochs: int, batch_size: int, **extra: Any) -> Metric
 
 @pytest.fixture(scope="module")
 def brief(tmp_path_factory: pytest.TempPathFactory) -> Metrics:
-    """Metrics of one 12-step epoch per method (one spawn of two ranks for all of them)."""
-    return _train_all(tmp_path_factory.mktemp("brief"), 1, 128)
+    """Metrics of one 12-step epoch per method with small knobs (one spawn of two ranks for all of them)."""
+    return _train_all(tmp_path_factory.mktemp("brief"), 1, 128, **KNOBS)
 
 
 @pytest.fixture(scope="module")
 def converged(tmp_path_factory: pytest.TempPathFactory) -> Metrics:
-    """Metrics of 8 epochs of 23 steps per method: one epoch of warm-up, top-k 10%, PowerSGD rank 4."""
-    extra = {"compression_warmup_steps": 23, "topk_fraction": 0.1, "powersgd_rank": 4}
-    return _train_all(tmp_path_factory.mktemp("converged"), 8, 64, **extra)
+    """Metrics of the quickstart per method at default knobs: 8 epochs of 23 steps, global batch 64."""
+    return _train_all(tmp_path_factory.mktemp("converged"), 8, 64)
 
 
 def _params() -> list[torch.Tensor]:
@@ -122,14 +115,44 @@ def test_compressed_methods_send_less_than_none() -> None:
     assert expected_bytes("sign", WARMUP + 1) < full / 30
 
 
+TOLERANCE = {"sign": 0.015}
+"""Points each method may lose against `none` at default knobs: 1, but sign measured -1.1 (0.975 against 0.986, 4
+images of 360; a 2-epoch warm-up did not change it): its per-tensor ±scale under AdamW is the coarsest gradient."""
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", [m for m in METHODS if m != "none"])
-def test_accuracy_is_within_two_points_of_none(converged: Metrics, method: str) -> None:
+def test_accuracy_at_default_knobs_is_within_a_point_of_none(converged: Metrics, method: str) -> None:
     def final(m: str) -> float:
         return [r["val_accuracy"] for r in converged[m] if "val_accuracy" in r][-1]
 
     assert final("none") >= 0.95
-    assert final(method) >= final("none") - 0.02
+    assert final(method) >= final("none") - TOLERANCE.get(method, 0.01)
+
+
+def test_default_knobs_scale_with_the_model() -> None:
+    assert compression.default_topk_fraction(20_234) == 0.1  # small_cnn: 2023 entries
+    assert compression.default_topk_fraction(11_181_642) == 0.01  # resnet18: 111,817 entries
+    assert compression.default_topk_fraction(200_000) == pytest.approx(2048 / 200_000)
+    cfg = validate({"train": {"compression": "topk"}}, "test").train
+    assert compression.warmup_steps(cfg, 23) == 23  # one epoch
+    assert compression.warmup_steps(cfg.model_copy(update={"compression_warmup_epochs": 0.5}), 23) == 12
+    assert compression.warmup_steps(cfg.model_copy(update={"compression_warmup_steps": 5}), 23) == 5
+    powersgd = validate({"train": {"compression": "powersgd", "compression_warmup_epochs": 0}}, "test").train
+    assert compression.warmup_steps(powersgd, 23) == 2  # PowerSGD's error feedback needs 2
+
+
+def test_powersgd_numel_matches_the_analytic_count() -> None:
+    params = _params()
+    assert compression.powersgd_numel([p.shape for p in params], 4) == powersgd_numel(params, 4)
+
+
+def test_powersgd_is_refused_where_no_matrix_shrinks() -> None:
+    cfg = validate({"train": {"compression": "powersgd", "compression_warmup_steps": 2}}, "test").train
+    tiny = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    with pytest.raises(PipelineError, match=r"^train.compression 'powersgd': no weight matrix .* rank 4"):
+        compression.resolve(cfg, tiny)
+    assert compression.resolve(cfg, models.build_model("small_cnn", 10, 1)).powersgd_rank == 4
 
 
 def test_sign_packing_round_trips_and_is_one_bit_per_entry() -> None:
@@ -170,7 +193,7 @@ def record_buckets(root: Path) -> None:
     DistributedDataParallel.register_comm_hook = spying  # type: ignore[method-assign]
     try:
         for method in ("none", *compression.BLOCKING):
-            cfg = method_config(method, 1, 2).train
+            cfg = method_config(method, 1, 2, **KNOBS).train
             model, _ = strategy.wrap(models.build_model("resnet18", 10, 3), cfg, rt)
             for _ in range(2):
                 seen.clear()
@@ -189,3 +212,36 @@ def test_blocking_methods_send_the_gradients_in_one_bucket(tmp_path: Path) -> No
     assert len(default) > 1 and sum(default) == numel  # plain all-reduces overlap the backward pass
     for method in compression.BLOCKING:
         assert json.loads((tmp_path / f"{method}.buckets").read_text()) == [numel], method
+
+
+def average_int8(root: Path) -> None:
+    """On each rank: parameters of its own, averaged once in fp32 (no anchor yet), then moved by a rank-specific
+    delta and averaged in 8 bits; writes what it ends with, the exact mean of the moves and the bytes sent."""
+    runtime.init(validate({}, "test").train)
+    try:
+        rank = dist.get_rank()
+        gen = torch.Generator().manual_seed(rank)
+        params = [torch.randn(100, 10, generator=gen), torch.randn(7, generator=gen)]
+        averager = compression.Int8DeltaAverager(period=1, warmup_steps=0)
+        averager.average_parameters(params)
+        first = [p.clone() for p in params]
+        gens = [torch.Generator().manual_seed(10 + r) for r in (0, 1)]
+        moves = [[torch.randn(p.shape, generator=g) for p in params] for g in gens]
+        for p, move in zip(params, moves[rank], strict=True):
+            p.add_(move)
+        averager.average_parameters(params)
+        exact = [f + (a + b) / 2 for f, a, b in zip(first, *moves, strict=True)]
+        out = {"params": [p.tolist() for p in params], "exact": [e.tolist() for e in exact], "sent": averager.sent}
+        (root / f"rank{rank}.json").write_text(json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_int8_local_sgd_averaging_agrees_on_every_rank_in_a_quarter_of_the_bytes(tmp_path: Path) -> None:
+    run_ranks(average_int8, tmp_path)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["params"] == ranks[1]["params"]  # bit-identical: the same payloads summed in the same order
+    for got, exact in zip(ranks[0]["params"], ranks[0]["exact"], strict=True):
+        error = (torch.tensor(got) - torch.tensor(exact)).abs().max().item()
+        assert 0 < error < 0.05  # int8 of moves up to ~4: half a step of max/127 per rank
+    assert ranks[0]["sent"] == 1000 + 7 + 2 * 4  # one byte per entry, one fp32 scale per tensor

@@ -1,0 +1,404 @@
+"""`train.compression = "auto"`: measure the link, the step's compute and each method's cost, run the fastest.
+
+After the compression warm-up, and every `compression_auto_every_steps` steps after it, every rank times a 4-byte
+and a :data:`PROBE_BYTES` all-reduce (latency and seconds per byte), the steps since the last measurement (wall time
+less the hook's: compute) and, once, each candidate's encoding on this model's gradients. Rank 0 predicts each
+candidate's step time from them (:func:`predict`), decides (:class:`Policy`: the median of the last :data:`WINDOW`
+link samples, a switch only when another method is :data:`BAND` faster at :data:`PATIENCE` measurements in a row)
+and broadcasts the choice, so every rank switches at the same step and issues the same collectives in the same order.
+
+DDP takes one communication hook for its lifetime: the registered hook dispatches to the running method's own
+(state, hook) from :data:`compression.HOOKS`. On a switch the old method's error feedback (what it has not sent yet)
+is carried: it is added to the next step's gradient, which the new method then sends, and the old state is dropped.
+"""
+
+# No `from __future__ import annotations`: DDP checks the hook's annotations as live objects (GradBucket, Future).
+import statistics
+import sys
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from pipeline.config import TrainConfig
+from pipeline.train import compression
+from pipeline.train.compression import CommCounter, Compression, Knobs
+
+PROBE_BYTES = 512 * 1024
+"""Size of the timed all-reduce: above tbf's and most NICs' bursts, yet 0.4 s at 10 Mbit/s."""
+WINDOW = 3
+"""Link samples whose median a decision uses; the first decision takes this many back to back."""
+BAND = 0.2
+"""Another method must be predicted this much faster than the running one before it is considered."""
+PATIENCE = 2
+"""Measurements in a row that must favour the same other method before a switch."""
+CANDIDATES = ("none", "fp16", "powersgd", "topk", "sign")
+"""Methods `auto` chooses from: gradient hooks that can take over from each other at any step (local SGD changes
+what is averaged, the model, and is not among them)."""
+ROUNDS = {"none": 1, "fp16": 1, "powersgd": 3, "topk": 1, "sign": 1}
+"""Collectives each method runs one after the other per step (PowerSGD: the uncompressed tensors, P, then Q)."""
+GATHERS = ("topk", "sign")
+"""Methods that all_gather: each rank receives every other rank's payload, (n - 1)·p bytes, where a ring
+all-reduce moves 2(n - 1)/n·p."""
+
+
+@dataclass(frozen=True)
+class LinkSample:
+    """One measurement of the link between the ranks."""
+
+    latency_s: float
+    """Seconds of a 4-byte all-reduce."""
+    s_per_byte: float
+    """Further seconds per byte of all-reduce payload."""
+
+    @classmethod
+    def from_timings(cls, small_s: float, large_s: float, large_bytes: int) -> "LinkSample":
+        """From a timed 4-byte all-reduce and a timed `large_bytes` one."""
+        return cls(small_s, max(large_s - small_s, 0.0) / (large_bytes - 4))
+
+    @property
+    def mbit_per_s(self) -> float:
+        """Payload throughput of a large all-reduce, in Mbit/s."""
+        return 8e-6 / self.s_per_byte if self.s_per_byte > 0 else float("inf")
+
+
+def median_link(samples: Iterable[LinkSample]) -> LinkSample:
+    """Median latency and median seconds per byte: one stalled sample moves neither."""
+    samples = list(samples)
+    return LinkSample(statistics.median(s.latency_s for s in samples), statistics.median(s.s_per_byte for s in samples))
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What one candidate costs per step on this model, apart from the link."""
+
+    method: str
+    payload_bytes: int
+    """Bytes it hands to collectives per step (as `comm_bytes` counts them)."""
+    encode_s: float
+    """Seconds of compressing and decompressing a step's gradients, measured on this model."""
+
+
+def predict(cost: Cost, link: LinkSample, compute_s: float, world: int) -> float:
+    """Predicted seconds per step: compute, encoding, a latency per sequential collective, and the payload's time."""
+    per_byte = link.s_per_byte * (world / 2 if cost.method in GATHERS else 1.0)
+    return compute_s + cost.encode_s + ROUNDS[cost.method] * link.latency_s + cost.payload_bytes * per_byte
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One measurement's outcome, with the numbers it was made from."""
+
+    step: int
+    method: str
+    previous: str | None
+    reason: str
+    latency_ms: float
+    mbit_per_s: float
+    compute_s: float
+    predicted_s: dict[str, float]
+
+    @property
+    def switched(self) -> bool:
+        """Whether the method changes at this step."""
+        return self.method != self.previous
+
+    def record(self) -> dict[str, Any]:
+        """The metrics line's `compression_decision`."""
+        return {**asdict(self), "switched": self.switched}
+
+    def line(self) -> str:
+        """The log line."""
+        preds = ", ".join(f"{m} {s:.3f}" for m, s in sorted(self.predicted_s.items(), key=lambda kv: kv[1]))
+        verb = f"{self.previous or 'warm-up'} -> {self.method}" if self.switched else f"stays {self.method}"
+        return (
+            f"compression auto: step {self.step}: {verb} ({self.reason}); link {self.latency_ms:.2f} ms + "
+            f"{self.mbit_per_s:.1f} Mbit/s, compute {self.compute_s:.3f} s; predicted s/step: {preds}"
+        )
+
+
+@dataclass
+class Policy:
+    """Rank 0's decisions from measurements: pure, so tests feed it numbers."""
+
+    world: int
+    window: int = WINDOW
+    band: float = BAND
+    patience: int = PATIENCE
+    current: str | None = None
+    samples: deque[LinkSample] = field(default_factory=deque)
+    streak: tuple[str, int] = ("", 0)
+
+    def observe(self, step: int, samples: list[LinkSample], compute_s: float, costs: list[Cost]) -> Decision:
+        """Add link samples, predict every candidate's step time and decide which method runs from here."""
+        self.samples.extend(samples)
+        while len(self.samples) > self.window:
+            self.samples.popleft()
+        link = median_link(self.samples)
+        predicted = {c.method: predict(c, link, compute_s, self.world) for c in costs}
+        best = min(predicted, key=lambda m: predicted[m])
+        previous, method = self.current, self.current
+        if previous is None or previous not in predicted:
+            # Warm-up ran plain all-reduce: compressing must pay for itself by the band from the start too.
+            gain = "none" in predicted and predicted[best] > (1 - self.band) * predicted["none"]
+            method = "none" if gain else best
+            reason = f"first measurement{f', {best} within {self.band:.0%} of none' if gain else ''}"
+        elif best == previous:
+            self.streak, reason = ("", 0), "fastest"
+        elif predicted[best] > (1 - self.band) * predicted[previous]:
+            self.streak = ("", 0)
+            reason = f"{best} within {self.band:.0%} of {previous}"
+        else:
+            count = self.streak[1] + 1 if self.streak[0] == best else 1
+            self.streak = (best, count)
+            reason = f"{best} faster by more than {self.band:.0%} ({count}/{self.patience})"
+            if count >= self.patience:
+                method, self.streak = best, ("", 0)
+        self.current = method
+        assert method is not None
+        ms = 1000 * link.latency_s
+        return Decision(step, method, previous, reason, ms, link.mbit_per_s, compute_s, predicted)
+
+
+def payload_bytes(method: str, params: list[torch.Tensor], knobs: Knobs) -> int:
+    """Bytes `method` hands to collectives per step for these parameters in one bucket (fp32 gradients)."""
+    numel = sum(p.numel() for p in params)
+    if method == "none":
+        return 4 * numel
+    if method == "fp16":
+        return 2 * numel
+    if method == "powersgd":
+        return 4 * compression.powersgd_numel([p.shape for p in params], knobs.powersgd_rank)
+    if method == "topk":
+        return 8 * compression.topk_size(numel, knobs.topk_fraction)
+    if method == "sign":
+        return compression.sign_size([p.numel() for p in params])
+    raise ValueError(f"no payload model for {method}")
+
+
+class _LocalBucket:
+    """The parts of a GradBucket the compressors read, for timing them without DDP."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self._params = params
+        self._buffer = torch.randn(sum(p.numel() for p in params))
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def index(self) -> int:
+        return 0
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._params
+
+    def is_last(self) -> bool:
+        return True
+
+
+class _LocalSparse(compression._SparseState):
+    """Top-k/sign state whose gather returns `world` copies of this rank's payload instead of communicating."""
+
+    world: int = 2
+
+    def gather(self, payload: torch.Tensor) -> list[torch.Tensor]:
+        return [payload.clone() for _ in range(self.world)]
+
+
+def _powersgd_work(params: list[torch.Tensor], rank: int) -> None:
+    """PowerSGD's arithmetic on random matrices shaped like the parameters: M·Q, orthogonalise, Mᵀ·P, P·Qᵀ."""
+    for p in params:
+        if p.dim() < 2:
+            continue
+        n, m = p.shape[0], p.numel() // p.shape[0]
+        r = min(n, m, rank)
+        if n * m <= 2 * (n + m) * r:
+            continue
+        matrix, q = torch.randn(n, m), torch.randn(m, r)
+        p_low = torch.linalg.qr(matrix @ q).Q
+        matrix -= p_low @ (matrix.t() @ p_low).t()  # the error feedback's residual
+
+
+def encode_seconds(method: str, params: list[torch.Tensor], knobs: Knobs, world: int, repeats: int = 2) -> float:
+    """Seconds this rank spends compressing and decompressing one step's gradients with `method` (best of
+    `repeats`, after a first untimed run), with the collectives left out."""
+    if method == "none":
+        return 0.0
+    bucket = _LocalBucket(params)
+    state = _LocalSparse(None, CommCounter(), compression._Steps(0))
+    state.world = world
+    work = {
+        "fp16": lambda: bucket.buffer().half().float(),
+        "powersgd": lambda: _powersgd_work(params, knobs.powersgd_rank),
+        "topk": lambda: compression._topk(knobs.topk_fraction)(state, bucket),  # type: ignore[arg-type]
+        "sign": lambda: compression._sign(state, bucket),  # type: ignore[arg-type]
+    }[method]
+    work()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        work()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def time_link(group: dist.ProcessGroup | None, device: torch.device) -> LinkSample:
+    """Time a 4-byte and a :data:`PROBE_BYTES` all-reduce, after an untimed one that lines the ranks up."""
+    small = torch.zeros(1, device=device)
+    large = torch.zeros(PROBE_BYTES // 4, device=device)
+    dist.all_reduce(small, group=group)
+    timings = []
+    for tensor in (small, large):
+        start = time.perf_counter()
+        dist.all_reduce(tensor, group=group)
+        timings.append(time.perf_counter() - start)
+    return LinkSample.from_timings(timings[0], timings[1], PROBE_BYTES)
+
+
+@dataclass
+class _Dispatch:
+    """State of the one hook DDP holds: the running method's state and hook, and residuals still to send."""
+
+    method: str
+    state: Any
+    hook: compression.CommHook
+    carry: dict[int, torch.Tensor] = field(default_factory=dict)
+    hook_s: float = 0.0
+
+
+def _dispatch(d: _Dispatch, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    carried = d.carry.pop(bucket.index(), None)
+    if carried is not None and carried.shape == bucket.buffer().shape:
+        bucket.buffer().add_(carried)
+    start = time.perf_counter()
+
+    def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        d.hook_s += time.perf_counter() - start
+        return fut.value()
+
+    return d.hook(d.state, bucket).then(done)
+
+
+def residuals(state: Any) -> dict[int, torch.Tensor]:
+    """What a method's error feedback holds per bucket index and has not sent yet (empty for the exact ones)."""
+    if isinstance(state, compression._SparseState):
+        return dict(state.residuals)
+    if isinstance(state, powerSGD_hook.PowerSGDState):
+        return dict(state.error_dict)
+    return {}
+
+
+class AutoCompression(Compression):
+    """The hook dispatcher, the measurements and the decisions of `compression = "auto"` on one rank."""
+
+    def __init__(self, params: list[torch.Tensor], knobs: Knobs, every: int, group: dist.ProcessGroup | None) -> None:
+        super().__init__(CommCounter(), name="none")
+        self.params, self.group, self.every = params, group, every
+        self.world = dist.get_world_size(group)
+        self.is_root = dist.get_rank(group) == 0
+        self.root = dist.get_global_rank(group, 0) if group is not None else 0
+        self.device = params[0].device
+        self.warmup = knobs.warmup_steps
+        # A method taking over mid-run needs no warm-up of its own (PowerSGD still all-reduces its first 2 steps).
+        self.knobs = replace(knobs, warmup_steps=0)
+        self.candidates = [m for m in CANDIDATES if self._works(m)]
+        self.dispatch = _Dispatch("none", *compression.HOOKS["none"](self.knobs, group, self.counter))
+        self.policy = Policy(self.world)
+        self.steps = 0
+        self.costs: list[Cost] | None = None
+        self.compute: list[float] = []
+        self.step_hook_s = self.probe_s = 0.0
+        self.decisions: list[tuple[int, str]] = []
+        """(step, method) of every measurement, on every rank: the same list on all of them."""
+        self.last: Decision | None = None
+
+    def _works(self, method: str) -> bool:
+        numel = sum(p.numel() for p in self.params)
+        return method != "powersgd" or payload_bytes("powersgd", self.params, self.knobs) < 4 * numel
+
+    def after_step(self, model: nn.Module) -> None:
+        """Count the step; at a measurement step, measure, decide on rank 0 and switch on every rank."""
+        self.steps += 1
+        self.name = self.dispatch.method  # the method that ran this step, whatever is decided now
+        self.step_hook_s, self.dispatch.hook_s = self.dispatch.hook_s, 0.0
+        self.probe_s = 0.0
+        first = max(self.warmup, 2)  # step 1 includes DDP's bucket rebuild: not a compute sample
+        if self.steps < first or (self.steps - first) % self.every:
+            return
+        start = time.perf_counter()
+        self._decide()
+        self.probe_s = time.perf_counter() - start
+
+    def ran(self, seconds: float) -> None:
+        """Account the step to its method and keep its compute time (wall less hook and measurement)."""
+        super().ran(seconds)
+        if self.steps > 1:
+            self.compute.append(max(seconds - self.step_hook_s - self.probe_s, 0.0))
+
+    def fields(self) -> dict[str, Any]:
+        """The method that ran this step, and the decision made after it if there was one (with `probe_s`, the
+        seconds its measurements and collectives took)."""
+        row: dict[str, Any] = {"compression": self.name}
+        if self.last is not None and self.last.step == self.steps:
+            row["compression_decision"] = self.last.record() | {"probe_s": self.probe_s}
+        return row
+
+    def _decide(self) -> None:
+        first = self.costs is None
+        samples = [time_link(self.group, self.device) for _ in range(WINDOW if first else 1)]
+        if self.costs is None:
+            encode = [encode_seconds(m, self.params, self.knobs, self.world) for m in self.candidates]
+        else:
+            encode = [c.encode_s for c in self.costs]
+        compute = statistics.fmean(self.compute) if self.compute else 0.0
+        self.compute = []
+        # The slowest rank sets the pace: its compute and encoding times count.
+        slowest = torch.tensor([compute, *encode], dtype=torch.float64, device=self.device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.group)
+        compute, *encode = slowest.tolist()
+        self.costs = [
+            Cost(m, payload_bytes(m, self.params, self.knobs), e) for m, e in zip(self.candidates, encode, strict=True)
+        ]
+        choice = torch.zeros(1, dtype=torch.int64, device=self.device)
+        if self.is_root:
+            self.last = self.policy.observe(self.steps, samples, compute, self.costs)
+            tqdm.write(self.last.line(), file=sys.stderr)
+            choice[0] = self.candidates.index(self.last.method)
+        dist.broadcast(choice, src=self.root, group=self.group)
+        method = self.candidates[int(choice.item())]
+        self.decisions.append((self.steps, method))
+        if method != self.dispatch.method:
+            self._switch(method)
+
+    def _switch(self, method: str) -> None:
+        """Run `method` from the next step on, carrying the old method's unsent residuals into it."""
+        old = self.dispatch
+        state, hook = compression.HOOKS[method](self.knobs, self.group, self.counter)
+        self.dispatch = _Dispatch(method, state, hook, carry={**old.carry, **residuals(old.state)})
+
+
+def install(
+    model: DistributedDataParallel, cfg: TrainConfig, knobs: Knobs, group: dist.ProcessGroup | None = None
+) -> AutoCompression:
+    """Register the dispatching hook on a DDP model (one bucket: see compression.BLOCKING)."""
+    params = [p for p in model.module.parameters() if p.requires_grad]
+    auto = AutoCompression(params, knobs, cfg.compression_auto_every_steps, group)
+    model.register_comm_hook(auto.dispatch, compression._timed(auto.counter, _dispatch_current(auto)))
+    return auto
+
+
+def _dispatch_current(auto: AutoCompression) -> compression.CommHook:
+    """The registered hook: DDP keeps the state it was given, so it looks up the dispatcher running now."""
+
+    def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        return _dispatch(auto.dispatch, bucket)
+
+    return hook
