@@ -8,8 +8,9 @@ What it measures (issue #14), with `pipeline train --inventory` as a user runs i
   from `batch / samples_per_s` in metrics.jsonl) and the final validation accuracy. "Best" is the fastest method
   within 1 point of `none`; speed-ups are against `none` of the same run (another process may share the CPUs);
 - a node lost mid-run (`train.nnodes = "3:4"`, the last stand-in killed whole, as tests/train/test_cluster_elastic.py
-  does, half-way through the second epoch): wall seconds from the kill to the controller's next round and to the
-  next training step written after it, the steps lost (summary.json's event), and the final accuracy;
+  does, at step 22 (`--kill-at-step`), 4 steps past the checkpoint at the end of epoch 2): wall seconds from the
+  kill to the controller's next round and to the next training step written after it (a device's metrics.jsonl
+  read every 0.1 s), the steps lost (summary.json's event), and the final accuracy;
 - what starting a run sends: the first run (`none`, fresh devices) against the same run again (`none` once more, code
   and data unchanged), from the upload's own `bytes_sent` (summary.json) and from the host ends' link counters
   (/sys/class/net/jetN/statistics/{tx,rx}_bytes, summed), split at the first and the last training step.
@@ -23,18 +24,19 @@ with a private disk; tests/train/test_cluster.py's `start_cluster`).
 Only the first 720 of the 1,797 digits (`--images`), for two reasons found here: (1) the upload's `verify` step
 (pipeline/fleet/upload.py) puts every file name of the bundle on one shell command line, twice, and a dataset of
 more than about 1,000 files exceeds Linux's 128 KiB limit on one argument ("Argument list too long": the first run
-fails); (2) the upload sends one file at a time, about 7 round trips each (SFTP open, write, close, rename), so
-on a 60 ms link 1,000 small files take over 5 minutes to reach the first device. Fewer images mean fewer steps per
-epoch (9) and a lower accuracy than the quickstart's own 1,437 training images give.
+fails); (2) the upload sends one file at a time, several round trips each (SFTP open, write, close, rename), so
+on this link the first run spent about 4 minutes between its start and its agents' start, most of it on the 720
+images. Fewer images mean fewer steps per epoch (9) and a lower accuracy than the quickstart's 1,437 training
+images give.
 
 The link. Each stand-in has its own network namespace joined to the host by a veth pair (tests/harness/network.py
 `DeviceLink`); the host forwards between the pairs, so device-to-device traffic crosses two links. Both veth ends
 get `tc tbf` at 20 Mbit/s (`DeviceLink.shape`). This kernel has no netem, so the delay is benchmarks/weaklink.py's
 shim: in each DEVICE's namespace, the routes to 10.213.0.0/16 and to the host end's /32 point into a TUN device, and
 the shim sends each packet, 60 ms late, out of eth0 to the host end's MAC (an AF_PACKET send goes through eth0's
-tbf). The delay is on device egress only, because a delay on the host's side would need a shim in the host's own
-namespace (routes into a TUN device there would take every host route to the devices away from the kernel's
-forwarding). The effect is the same as 30 ms on each link each way:
+tbf). The delay is on device egress only: one shim per device then gives every path its delay (below), and the
+host's own namespace, which the controller and the rest of the machine use, gets no TUN routes (its ends of the
+links get only the MTU and tbf). The effect is the same as 30 ms on each link each way:
 
 - device -> device, one way: 60 ms (device egress) = 30 ms on each of the two links it crosses;
 - device <-> controller, round trip: 60 ms (the device's reply or request) = 30 ms each way.
@@ -212,7 +214,7 @@ def phases(samples: list[Sample], start: Sample) -> dict[str, dict[str, int]]:
     last = next((s for s in stepping if max(step for _, step in s.logs.values()) == top), samples[-1])
     cuts = [start, first, last, samples[-1]]
     names = ("before_first_step", "training", "after_last_step")
-    return {name: {"tx": b.tx - a.tx, "rx": b.rx - a.rx} for name, a, b in zip(names, cuts, cuts[1:], strict=True)}
+    return {name: {"tx": b.tx - a.tx, "rx": b.rx - a.rx} for name, a, b in zip(names, cuts[:-1], cuts[1:], strict=True)}
 
 
 def settings(method: str, epochs: int, data: Path, nnodes: str) -> list[str]:
