@@ -59,6 +59,40 @@ def _run(*cmd: str) -> str:
     return proc.stdout
 
 
+def tun_lines(mtu: int, routes: list[str], src: str) -> str:
+    """`ip -batch` lines that make tun0 and route `routes` (CIDR) into it with source address `src`: whatever is
+    sent there reaches the shim instead of eth0. Run them in the namespace the shim will run in."""
+    lines = [f"tuntap add dev {TUN} mode tun", f"link set {TUN} mtu {mtu} up"]
+    return "\n".join([*lines, *(f"route replace {route} dev {TUN} src {src}" for route in routes)]) + "\n"
+
+
+def start_shim(prefix: list[str], peer_mac: str, own_mac: str, delay_ms: float) -> subprocess.Popen[str]:
+    """Start `shim()` under `prefix` (the argv that enters its namespace: `ip netns exec NS`, `nsenter --net=P --`)
+    and wait until it holds tun0; stop it with `stop_shim()`."""
+    cmd = [*prefix, sys.executable, os.path.abspath(__file__), "shim", peer_mac, own_mac, str(delay_ms)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    if proc.stdout.readline() != "ready\n":  # type: ignore[union-attr]
+        proc.kill()
+        raise RuntimeError(f"delay shim ({' '.join(prefix)}) did not start (exit {proc.wait()})")
+    return proc
+
+
+def stop_shim(proc: subprocess.Popen[str]) -> None:
+    """Stop a shim from `start_shim()`: closing its stdin is its cue to exit; killed if it does not within 5 s."""
+    proc.stdin.close()  # type: ignore[union-attr]
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class WeakLink:
     """Context manager: builds the namespaces, the link and the shims on entry; removes all of it on exit."""
 
@@ -78,8 +112,7 @@ class WeakLink:
 
     def shim_cpu(self) -> list[float]:
         """CPU seconds (user + system) each shim has used so far, A first."""
-        fields = [Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split() for p in self.shims]
-        return [(int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK") for f in fields]
+        return [cpu_seconds(p.pid) for p in self.shims]
 
     def __enter__(self) -> WeakLink:
         try:
@@ -115,24 +148,14 @@ class WeakLink:
             # burst must hold the largest frame (tbf drops bigger ones); latency sizes its queue.
             _run("tc", "-n", ns, "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", self.rate,
                  "burst", str(2 * (self.mtu + 14)), "latency", f"{self.queue_ms}ms")  # fmt: skip
-            _run(*ip, "tuntap", "add", "dev", TUN, "mode", "tun")
-            _run(*ip, "link", "set", TUN, "mtu", mtu, "up")
-            _run(*ip, "route", "add", f"{ADDRESSES[1 - side]}/32", "dev", TUN, "src", ADDRESSES[side])
-            cmd = [sys.executable, os.path.abspath(__file__), "shim", MACS[1 - side], MACS[side], str(self.delay_ms)]
-            shim = subprocess.Popen(self.argv(side, cmd), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-            self.shims.append(shim)
-            if shim.stdout.readline() != "ready\n":  # type: ignore[union-attr]
-                raise RuntimeError(f"delay shim in {ns} did not start (exit {shim.wait()})")
+            tun = tun_lines(self.mtu, [f"{ADDRESSES[1 - side]}/32"], ADDRESSES[side])
+            subprocess.run([*ip, "-batch", "-"], input=tun, text=True, check=True)
+            self.shims.append(start_shim(self.argv(side, []), MACS[1 - side], MACS[side], self.delay_ms))
 
     def close(self) -> None:
         """Stop the shims and anything else still running in the namespaces, then remove the namespaces."""
-        for shim in self.shims:
-            shim.stdin.close()  # type: ignore[union-attr]  # the shim's cue to exit
-            try:
-                shim.wait(5)
-            except subprocess.TimeoutExpired:
-                shim.kill()
-                shim.wait()
+        for proc in self.shims:
+            stop_shim(proc)
         self.shims = []
         for ns in self.namespaces:
             _remove(ns)
@@ -187,9 +210,9 @@ def _send_for(conn: socket.socket, seconds: float) -> int:
     return sent
 
 
-def serve(port: int) -> None:
+def serve(address: str, port: int) -> None:
     """Run in B for --check: per connection, echo ("e"), read what A sends ("u") or send to A ("d"), then close."""
-    server = socket.create_server((ADDRESSES[1], port))
+    server = socket.create_server((address, port))
     print("ready", flush=True)
     while True:
         with server.accept()[0] as conn:
@@ -202,9 +225,9 @@ def serve(port: int) -> None:
                     conn.sendall(data)
 
 
-def client(mode: str, port: int, seconds: float) -> None:
+def client(mode: str, address: str, port: int, seconds: float) -> None:
     """Run in A for --check: print RTTs of 64-byte exchanges ("e"), or throughput to B ("u") or from B ("d")."""
-    conn = socket.create_connection((ADDRESSES[1], port), timeout=60)
+    conn = socket.create_connection((address, port), timeout=60)
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     start = time.monotonic()
     conn.sendall(f"{mode}{seconds:7.2f}".encode())
@@ -225,29 +248,36 @@ def client(mode: str, port: int, seconds: float) -> None:
     print(json.dumps({"bytes": total, "seconds": time.monotonic() - start}))  # request to last byte: +1 RTT
 
 
-def measure(link: WeakLink, seconds: float, port: int = 5201) -> dict[str, Any]:
-    """RTTs (ms) of 64-byte exchanges and bulk throughput (Mbit/s) both ways between A and B, shim CPU (share of a
-    core) during the bulk runs, and tbf's counters at both ends (proof that the traffic crossed it)."""
+def measure_path(a: list[str], b: list[str], address: str, seconds: float, port: int = 5201) -> dict[str, Any]:
+    """RTTs (ms) of 64-byte exchanges and bulk throughput (Mbit/s) both ways between two places, A and B, given as
+    the argv prefixes that run a command there (`[]`: here); B serves at `address`."""
     me = [sys.executable, os.path.abspath(__file__)]
-    server = subprocess.Popen(link.argv(1, [*me, "serve", str(port)]), stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen([*b, *me, "serve", address, str(port)], stdout=subprocess.PIPE, text=True)
     try:
         if server.stdout.readline() != "ready\n":  # type: ignore[union-attr]
             raise RuntimeError("test server in B did not start")
 
         def client(mode: str) -> dict[str, Any]:
-            return json.loads(_run(*link.argv(0, [*me, "client", mode, str(port), str(seconds)])))
+            return json.loads(_run(*a, *me, "client", mode, address, str(port), str(seconds)))
 
         rtt = client("e")["rtt_ms"]
-        cpu_before, start = link.shim_cpu(), time.monotonic()
         up, down = client("u"), client("d")
-        cpu = [(b - a) / (time.monotonic() - start) for a, b in zip(cpu_before, link.shim_cpu(), strict=True)]
-        # tbf's counters ("Sent N bytes M pkt (dropped D, ...")
-        tbf = [_run("tc", "-s", "-n", ns, "qdisc", "show", "dev", "eth0").split("\n")[1] for ns in link.namespaces]
     finally:
         server.kill()
         server.wait()
     mbit = [r["bytes"] * 8 / r["seconds"] / 1e6 for r in (up, down)]
-    return {"rtt_ms": rtt, "a_to_b_mbit": mbit[0], "b_to_a_mbit": mbit[1], "shim_cpu": cpu, "tbf": tbf}
+    return {"rtt_ms": rtt, "a_to_b_mbit": mbit[0], "b_to_a_mbit": mbit[1]}
+
+
+def measure(link: WeakLink, seconds: float, port: int = 5201) -> dict[str, Any]:
+    """`measure_path()` between A and B, plus shim CPU (share of a core) over the whole measurement and tbf's
+    counters at both ends (proof that the traffic crossed it)."""
+    cpu_before, start = link.shim_cpu(), time.monotonic()
+    m = measure_path(link.argv(0, []), link.argv(1, []), ADDRESSES[1], seconds, port)
+    cpu = [(b - a) / (time.monotonic() - start) for a, b in zip(cpu_before, link.shim_cpu(), strict=True)]
+    # tbf's counters ("Sent N bytes M pkt (dropped D, ...")
+    tbf = [_run("tc", "-s", "-n", ns, "qdisc", "show", "dev", "eth0").split("\n")[1] for ns in link.namespaces]
+    return {**m, "shim_cpu": cpu, "tbf": tbf}
 
 
 def check(rate: str, delay_ms: float, mtu: int, seconds: float) -> None:
@@ -258,7 +288,7 @@ def check(rate: str, delay_ms: float, mtu: int, seconds: float) -> None:
     print(f"weaklink: {rate}, {delay_ms:g} ms each way, MTU {mtu}, {ADDRESSES[0]} (A) <-> {ADDRESSES[1]} (B)")
     print(f"  RTT     median {statistics.median(rtt):.2f} ms of {len(rtt)} (min {min(rtt):.2f}, max {max(rtt):.2f})")
     print(f"  A -> B  {m['a_to_b_mbit']:.1f} Mbit/s\n  B -> A  {m['b_to_a_mbit']:.1f} Mbit/s")
-    print(f"  shim CPU in the bulk runs: A {m['shim_cpu'][0]:.1%}, B {m['shim_cpu'][1]:.1%} of a core")
+    print(f"  shim CPU while measuring: A {m['shim_cpu'][0]:.1%}, B {m['shim_cpu'][1]:.1%} of a core")
     print(f"  tbf A: {m['tbf'][0].strip()}\n  tbf B: {m['tbf'][1].strip()}")
 
 
@@ -268,8 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("shim", "serve", "client"):
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent, which stops these itself
         a = argv[1:]
-        {"shim": lambda: shim(a[0], a[1], float(a[2])), "serve": lambda: serve(int(a[0])),
-         "client": lambda: client(a[0], int(a[1]), float(a[2]))}[argv[0]]()  # fmt: skip
+        {"shim": lambda: shim(a[0], a[1], float(a[2])), "serve": lambda: serve(a[0], int(a[1])),
+         "client": lambda: client(a[0], a[1], int(a[2]), float(a[3]))}[argv[0]]()  # fmt: skip
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", required=True, help="build the link, measure, tear down")

@@ -12,9 +12,11 @@ connections hang and time out), `heal()` brings it back.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from .procs import HarnessError, in_own_namespace, run, spawn, tool, wait_exec, wait_gone, which
@@ -92,6 +94,18 @@ def network_unavailable() -> str | None:
         return f"cannot create veth pairs here: {result.stderr.strip()}"
     foreign = foreign_routes()
     return f"{RANGE} is already routed on this host ({foreign[0]})" if foreign else None
+
+
+@contextlib.contextmanager
+def ip_forwarding() -> Iterator[None]:
+    """The host forwards IPv4 between interfaces (so linked devices reach each other through it) while inside."""
+    knob = Path("/proc/sys/net/ipv4/ip_forward")
+    before = knob.read_text()
+    knob.write_text("1\n")
+    try:
+        yield
+    finally:
+        knob.write_text(before)
 
 
 class DeviceLink:

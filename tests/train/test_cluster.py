@@ -24,7 +24,7 @@ import pytest
 from pipeline import layout
 from pipeline.files import read_json
 from pipeline.fleet import devicecheck
-from tests.harness import JetsonFleet, TargetSpec, fixtures
+from tests.harness import JetsonFleet, TargetSpec, fixtures, network
 
 jetson_fleet = fixtures.jetson_fleet
 VENV_PYTHON = str(Path(sys.executable).absolute())
@@ -36,11 +36,8 @@ OLD_PYTHON = "/root/.pyenv/versions/3.8.18"
 @pytest.fixture
 def forwarding() -> Iterator[None]:
     """The host forwards between device links for the test's duration (the devices talk to each other)."""
-    knob = Path("/proc/sys/net/ipv4/ip_forward")
-    before = knob.read_text()
-    knob.write_text("1\n")
-    yield
-    knob.write_text(before)
+    with network.ip_forwarding():
+        yield
 
 
 def start_cluster(jetson_fleet: Callable[..., JetsonFleet], count: int, **extra_dirs: str) -> JetsonFleet:

@@ -1,0 +1,413 @@
+"""Cluster training over SSH on 4 stand-in Jetsons, each on a busy-WiFi link: 20 Mbit/s with 30 ms each way.
+
+    python benchmarks/train_cluster_weaklink.py [--epochs 8] [--methods none,fp16,powersgd,topk,localsgd]
+
+What it measures (issue #14), with `pipeline train --inventory` as a user runs it:
+
+- per `train.compression` method: mean s/step after the compression warm-up (the first epoch: steps of epoch >= 1,
+  from `batch / samples_per_s` in metrics.jsonl) and the final validation accuracy. "Best" is the fastest method
+  within 1 point of `none`; speed-ups are against `none` of the same run (another process may share the CPUs);
+- a node lost mid-run (`train.nnodes = "3:4"`, the last stand-in killed whole, as tests/train/test_cluster_elastic.py
+  does, at step 22 (`--kill-at-step`), 4 steps past the checkpoint at the end of epoch 2): wall seconds from the
+  kill to the controller's next round and to the next training step written after it (a device's metrics.jsonl
+  read every 0.1 s), the steps lost (summary.json's event), and the final accuracy;
+- what starting a run sends: the first run (`none`, fresh devices) against the same run again (`none` once more, code
+  and data unchanged), from the upload's own `bytes_sent` (summary.json) and from the host ends' link counters
+  (/sys/class/net/jetN/statistics/{tx,rx}_bytes, summed), split at the first and the last training step.
+
+The job is the quickstart (configs/quickstart.toml defaults: small_cnn at 16 px, global batch 64, lr 1e-2, 8
+epochs) on the built-in digits, written as an image folder (one PNG per digit, by class; `data.augment = false`, as
+the quickstart's tensor digits get no augmentation) so that `data.sync = true` has the controller send the data;
+every device runs one rank with this venv's Python (tests/harness: a real sshd per device in its own namespaces
+with a private disk; tests/train/test_cluster.py's `start_cluster`).
+
+Only the first 720 of the 1,797 digits (`--images`), for two reasons found here: (1) the upload's `verify` step
+(pipeline/fleet/upload.py) puts every file name of the bundle on one shell command line, twice, and a dataset of
+more than about 1,000 files exceeds Linux's 128 KiB limit on one argument ("Argument list too long": the first run
+fails); (2) the upload sends one file at a time, several round trips each (SFTP open, write, close, rename), so
+on this link the first run spent about 4 minutes between its start and its agents' start, most of it on the 720
+images. Fewer images mean fewer steps per epoch (9) and a lower accuracy than the quickstart's 1,437 training
+images give.
+
+The link. Each stand-in has its own network namespace joined to the host by a veth pair (tests/harness/network.py
+`DeviceLink`); the host forwards between the pairs, so device-to-device traffic crosses two links. Both veth ends
+get `tc tbf` at 20 Mbit/s (`DeviceLink.shape`). This kernel has no netem, so the delay is benchmarks/weaklink.py's
+shim: in each DEVICE's namespace, the routes to 10.213.0.0/16 and to the host end's /32 point into a TUN device, and
+the shim sends each packet, 60 ms late, out of eth0 to the host end's MAC (an AF_PACKET send goes through eth0's
+tbf). The delay is on device egress only: one shim per device then gives every path its delay (below), and the
+host's own namespace, which the controller and the rest of the machine use, gets no TUN routes (its ends of the
+links get only the MTU and tbf). The effect is the same as 30 ms on each link each way:
+
+- device -> device, one way: 60 ms (device egress) = 30 ms on each of the two links it crosses;
+- device <-> controller, round trip: 60 ms (the device's reply or request) = 30 ms each way.
+
+MTU 65000 on both veth ends (host ends included) and on the TUN device keeps the Python shim to a few packets per
+step, as in weaklink.py, at some cost in realism (real WiFi carries 1500-byte frames). The link is measured before
+training (TCP RTT of 64-byte exchanges and 2 s bulk transfers both ways, host <-> node-1 and node-1 <-> node-2)
+and recorded. Writes benchmarks/results/train_cluster_weaklink.json and prints a table. Root only; every namespace,
+shim and stand-in it starts is removed on exit, Ctrl-C and failure included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.train_compression import toml_value  # noqa: E402
+from benchmarks.weaklink import measure_path, start_shim, stop_shim, tun_lines, unavailable  # noqa: E402
+from pipeline import layout  # noqa: E402
+from pipeline.files import read_json  # noqa: E402
+from tests.harness import DeviceLink, JetsonFleet, JetsonTarget, harness_unavailable, network  # noqa: E402
+from tests.train.test_cluster import inventory, marked_processes, pipeline_cmd, start_cluster  # noqa: E402
+from tests.train.test_cluster_elastic import Output  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+DEVICES = 4
+POLL_S = 0.1
+"""How often the watcher reads the link counters and the devices' metrics.jsonl: the resolution of its times."""
+RUN_TIMEOUT_S = 1800
+
+
+# -- the link ------------------------------------------------------------------------------------------------------
+
+
+def _nsenter(link: DeviceLink) -> list[str]:
+    return ["nsenter", f"--net={link.netns}", "--"]
+
+
+def weaken(link: DeviceLink, rate: str, delay_ms: float, mtu: int, queue_ms: float) -> subprocess.Popen[str]:
+    """Shape `link` (tbf at `rate` on both ends) and delay the device's egress by `delay_ms` with a shim in its
+    namespace; returns the shim (stop it with weaklink's `stop_shim`)."""
+    subprocess.run(["ip", "link", "set", link.host_if, "mtu", str(mtu)], check=True)
+    # rp_filter off: replies from the host arrive on eth0, but the route back to their source is via tun0.
+    link.in_device(
+        f"ip link set eth0 mtu {mtu}; echo 0 > /proc/sys/net/ipv4/conf/all/rp_filter; "
+        "echo 0 > /proc/sys/net/ipv4/conf/eth0/rp_filter"
+    )
+    link.shape(rate, burst=str(2 * (mtu + 14)), latency=f"{queue_ms:g}ms")  # burst must hold the largest frame
+    routes = [str(network.RANGE), f"{link.host_ip}/32"]  # the /32 beats eth0's own /30 to the host end
+    link.in_device(f"ip -batch - <<'EOF'\n{tun_lines(mtu, routes, link.device_ip)}EOF")
+    host_mac = Path(f"/sys/class/net/{link.host_if}/address").read_text().strip()
+    own = re.search(r"link/ether (\S+)", link.in_device("ip -o link show eth0"))
+    if own is None:
+        raise RuntimeError(f"{link.host_if}: no MAC address on the device's eth0")
+    return start_shim(_nsenter(link), host_mac, own[1], delay_ms)
+
+
+@contextlib.contextmanager
+def weak_cluster(directory: Path, rate: str, delay_ms: float, mtu: int, queue_ms: float) -> Iterator[JetsonFleet]:
+    """DEVICES forwarded, shaped and delayed stand-ins; stops the shims, the devices and their links on exit."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(network.ip_forwarding())
+        fleet = start_cluster(lambda specs: stack.enter_context(JetsonFleet(directory, specs)), DEVICES)
+        for target in fleet:
+            assert target.link is not None
+            stack.callback(stop_shim, weaken(target.link, rate, delay_ms, mtu, queue_ms))
+        yield fleet
+
+
+def measure_links(fleet: JetsonFleet, seconds: float) -> dict[str, Any]:
+    """RTT and throughput host <-> node-1 and node-1 <-> node-2 (one path through the host)."""
+    first, second = (t.link for t in fleet.targets[:2])
+    assert first is not None and second is not None
+    paths = {
+        "controller_node1": measure_path([], _nsenter(first), first.device_ip, seconds),
+        "node1_node2": measure_path(_nsenter(first), _nsenter(second), second.device_ip, seconds),
+    }
+    return {
+        name: {"rtt_ms_median": statistics.median(m["rtt_ms"]), "rtt_ms_min": min(m["rtt_ms"]), **m}
+        for name, m in paths.items()
+    }
+
+
+# -- one training run ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    """One look at the link counters and the devices' training logs."""
+
+    t: float
+    tx: int
+    """Bytes the host ends sent toward the devices (the controller's, and other devices' forwarded)."""
+    rx: int
+    """Bytes the host ends received from the devices."""
+    logs: dict[str, tuple[int, int]]
+    """Device name -> (inode, highest step) of its metrics.jsonl, where it has one."""
+
+
+@dataclass
+class Watcher:
+    """Samples the link counters and every live device's metrics.jsonl every POLL_S in a thread, while inside."""
+
+    fleet: JetsonFleet
+    run_name: str
+    samples: list[Sample] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _seen: dict[Path, tuple[int, int, int]] = field(default_factory=dict)
+
+    def __enter__(self) -> Watcher:
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append(self._sample())  # the counters at the end, for the last phase
+
+    def _loop(self) -> None:
+        while not self._stop.wait(POLL_S):
+            self.samples.append(self._sample())
+
+    def _sample(self) -> Sample:
+        tx = rx = 0
+        for target in self.fleet:
+            assert target.link is not None
+            stats = Path(f"/sys/class/net/{target.link.host_if}/statistics")
+            tx += int((stats / "tx_bytes").read_text())
+            rx += int((stats / "rx_bytes").read_text())
+        logs = {t.name: log for t in self.fleet if t.running and (log := self._log(t)) is not None}
+        return Sample(time.time(), tx, rx, logs)
+
+    def _log(self, target: JetsonTarget) -> tuple[int, int] | None:
+        """(inode, highest step) of the device's rank-0 log of this run; read again only when it changed."""
+        try:
+            path = next((target.disk / "train/runs").glob(f"{self.run_name}-*/train/metrics.jsonl"))
+            st = path.stat()
+        except (OSError, StopIteration):  # not there yet, or the device is gone
+            return None
+        key = (st.st_ino, st.st_size, st.st_mtime_ns)
+        if self._seen.get(path, (0, 0, 0))[:2] != key[:2]:
+            steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line.endswith("}")]
+            self._seen[path] = (st.st_ino, st.st_size, max(steps, default=0))
+        return st.st_ino, self._seen[path][2]
+
+    def step(self) -> int:
+        """The highest step any device's log shows now."""
+        last = self.samples[-1] if self.samples else None
+        return max((s for _, s in last.logs.values()), default=0) if last else 0
+
+
+def phases(samples: list[Sample], start: Sample) -> dict[str, dict[str, int]]:
+    """Host-end bytes (tx: toward the devices, rx: back) before the first step, while training, and after."""
+    stepping = [s for s in samples if any(step > 0 for _, step in s.logs.values())]
+    top = max((max(step for _, step in s.logs.values()) for s in stepping), default=0)
+    first = stepping[0] if stepping else samples[-1]
+    last = next((s for s in stepping if max(step for _, step in s.logs.values()) == top), samples[-1])
+    cuts = [start, first, last, samples[-1]]
+    names = ("before_first_step", "training", "after_last_step")
+    return {name: {"tx": b.tx - a.tx, "rx": b.rx - a.rx} for name, a, b in zip(names, cuts[:-1], cuts[1:], strict=True)}
+
+
+def settings(method: str, epochs: int, data: Path, nnodes: str) -> list[str]:
+    """`--set` arguments: the quickstart, on the digits folder sent by the controller, with `method`."""
+    values: dict[str, Any] = {"data.source": "imagefolder", "data.path": str(data), "data.sync": True}
+    # The quickstart's digits get no augmentation (tensor source, augment_shift 0); an image folder would get random
+    # crops down to 35% of the area, which on 8x8 digits held the accuracy near 0.6 after 6 epochs.
+    values["data.augment"] = False
+    values |= {"train.epochs": epochs, "train.compression": method, "train.nnodes": nnodes}
+    return [arg for key, value in values.items() for arg in ("--set", f"{key}={toml_value(value)}")]
+
+
+def summarise(run_dir: Path) -> dict[str, Any]:
+    """s/step after the warm-up epoch, steps, final accuracy and what starting the run sent, from the run's files."""
+    records = [json.loads(line) for line in (run_dir / layout.METRICS).read_text().splitlines()]
+    steps = [r for r in records if "samples_per_s" in r]
+    timed = [r["batch"] / r["samples_per_s"] for r in steps if r["epoch"] >= 1] or [0.0]  # 0: a 1-epoch run
+    summary = read_json(run_dir / layout.SUMMARY)
+    return {
+        "steps": max(r.get("step", 0) for r in records),
+        "s_per_step": statistics.fmean(timed),
+        "median_s_per_step": statistics.median(timed),
+        "bytes_per_step": statistics.fmean([r["comm_bytes"] for r in steps if r["epoch"] >= 1] or [0]),
+        "val_accuracy": summary["val_accuracy"],
+        "bytes_sent": summary["bytes_sent"],
+        "events": summary.get("events", []),
+    }
+
+
+def train(fleet: JetsonFleet, inv: Path, run_dir: Path, args: list[str], kill_at_step: int = 0) -> dict[str, Any]:
+    """One `pipeline train --inventory` run into `run_dir`; with `kill_at_step`, the last stand-in is killed once a
+    device's log shows that step, and the times from the kill to the next round and the next step are added."""
+    cmd = pipeline_cmd("train", "--inventory", str(inv), "--run-dir", str(run_dir), *args)
+    lost: dict[str, Any] = {}
+    with Watcher(fleet, run_dir.name) as watch:
+        start = time.time()
+        proc = subprocess.Popen(cmd, cwd=run_dir.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        output = Output(proc)
+        try:
+            if kill_at_step:
+                lost = _lose_a_node(fleet, watch, output, proc, kill_at_step)
+            proc.wait(timeout=RUN_TIMEOUT_S)
+        finally:
+            if proc.poll() is None:  # Ctrl-C or a failure here: the device-side wrappers end the ranks
+                proc.send_signal(signal.SIGINT)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(60)
+                proc.kill()
+    wall = time.time() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"{run_dir.name}: exit {proc.returncode}\n{output.text()[-3000:]}")
+    if left := marked_processes(fleet):
+        raise RuntimeError(f"{run_dir.name}: training processes left on devices: {left}")
+    start_sample = next((s for s in watch.samples if s.t >= start), watch.samples[0])
+    return {**summarise(run_dir), "wall_s": wall, "link_bytes": phases(watch.samples, start_sample), **lost}
+
+
+def _lose_a_node(
+    fleet: JetsonFleet, watch: Watcher, output: Output, proc: subprocess.Popen[str], at_step: int
+) -> dict[str, Any]:
+    """Kill the last stand-in once training reaches `at_step`; times from the kill to the regroup and next step."""
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while watch.step() < at_step:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the run ended before step {at_step}:\n{output.text()[-3000:]}")
+        time.sleep(POLL_S / 2)
+    victim = fleet.targets[-1]
+    before = dict(watch.samples[-1].logs)
+    killed = time.time()
+    victim.kill()
+    line = output.wait_for("round 2:", proc, timeout_s=600)
+    regrouped = time.time()  # Output polls every 0.2 s: this is up to 0.2 s late
+    resumed = int(re.search(r"from step (\d+)", line)[1])  # type: ignore[index]
+    while True:  # a survivor's log rewritten for the new round (new inode) with a step past the checkpoint
+        fresh = [s for s in watch.samples if s.t > killed]
+        hit = next(
+            (
+                s
+                for s in fresh
+                if any(ino != before.get(name, (0, 0))[0] and step > resumed for name, (ino, step) in s.logs.items())
+            ),
+            None,
+        )
+        if hit is not None:
+            break
+        if proc.poll() is not None:
+            raise RuntimeError(f"no training step after the regroup:\n{output.text()[-3000:]}")
+        time.sleep(POLL_S)
+    return {
+        "victim": victim.name,
+        "killed_at_step": at_step,
+        "kill_to_regroup_s": regrouped - killed,
+        "kill_to_next_step_s": hit.t - killed,
+    }
+
+
+# -- the benchmark ---------------------------------------------------------------------------------------------------
+
+
+def digits_folder(path: Path, count: int) -> Path:
+    """The first `count` of scikit-learn's bundled digits as an image folder (path/<digit>/<index>.png, 8x8 grey),
+    for `data.sync`."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    for index, (image, label) in enumerate(zip(digits.images[:count], digits.target[:count], strict=True)):
+        folder = path / str(label)
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray((image * 255 / 16).round().astype("uint8"), mode="L").save(folder / f"{index:04d}.png")
+    return path
+
+
+def bench(args: argparse.Namespace, tmp: Path, result: dict[str, Any]) -> None:
+    """Build the cluster, measure the link, run every job, filling `result` and writing it after each job (a run
+    cut short by a failure still leaves what it measured)."""
+    data = digits_folder(tmp / "digits", args.images)
+    started = time.time()
+    with weak_cluster(tmp / "fleet", args.rate, args.delay_ms, args.mtu, args.queue_ms) as fleet:
+        inv = inventory(fleet, tmp / "cluster.toml")
+        result["link"] = measure_links(fleet, args.link_seconds)
+        print(f"[{time.strftime('%H:%M:%S')}] link: {json.dumps(result['link'])}", file=sys.stderr, flush=True)
+        save(args.out, result)
+        jobs: list[tuple[str, str, int]] = [(m, m, 0) for m in args.methods] + [("none (again)", "none", 0)]
+        if args.kill_at_step:
+            jobs.append(("none, node lost", "none", args.kill_at_step))
+        rows = []
+        for name, method, kill_at in jobs:
+            print(f"[{time.strftime('%H:%M:%S')}] {name} ...", file=sys.stderr, flush=True)
+            nnodes = f"{DEVICES - 1}:{DEVICES}" if kill_at else str(DEVICES)
+            run_dir = tmp / f"run-{len(rows)}"
+            run_dir.mkdir()
+            row = {"run": name, "method": method}
+            row |= train(fleet, inv, run_dir, settings(method, args.epochs, data, nnodes), kill_at)
+            rows.append(row)
+            print(f"  {json.dumps(row)}", file=sys.stderr, flush=True)
+            for r in rows:
+                r["speedup"] = rows[0]["s_per_step"] / r["s_per_step"] if r["s_per_step"] else 0.0
+                r["accuracy_delta"] = r["val_accuracy"] - rows[0]["val_accuracy"]
+            within = [r for r in rows[: len(args.methods)] if r["accuracy_delta"] >= -0.01]
+            result |= {"best": min(within, key=lambda r: r["s_per_step"])["method"], "runs": rows}
+            result["bench_wall_s"] = time.time() - started
+            save(args.out, result)
+
+
+def save(path: Path, result: dict[str, Any]) -> None:
+    """Write the JSON document (again)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**result, "load_average_1m": os.getloadavg()[0]}, indent=2) + "\n")
+
+
+def table(result: dict[str, Any]) -> str:
+    """The README's markdown table."""
+    out = ["| run | s/step | speed-up vs none | KB/step | val accuracy | code + data sent | link bytes out / back |"]
+    out.append("|---|---|---|---|---|---|---|")
+    for r in result["runs"]:
+        sent = r["bytes_sent"]["code"] + r["bytes_sent"]["data"]
+        link = sum(p["tx"] for p in r["link_bytes"].values()), sum(p["rx"] for p in r["link_bytes"].values())
+        cells = [f"{r['s_per_step']:.3f}", f"{r['speedup']:.2f}x", f"{r['bytes_per_step'] / 1e3:.1f}"]
+        cells += [f"{r['val_accuracy']:.4f}", f"{sent / 1e6:.2f} MB", f"{link[0] / 1e6:.1f} / {link[1] / 1e6:.1f} MB"]
+        out.append(f"| {r['run']} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    """Parse the arguments, run the benchmark, write the JSON, print the table."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--epochs", type=int, default=8, help="per run (default 8, the quickstart's `auto`)")
+    parser.add_argument("--images", type=int, default=720, help="of the 1,797 digits (see the docstring; 720)")
+    parser.add_argument("--methods", default="none,fp16,powersgd,topk,localsgd", help="comma-separated; none first")
+    parser.add_argument("--rate", default="20mbit", help="tbf rate on both ends of each link (default 20mbit)")
+    parser.add_argument("--delay-ms", type=float, default=60.0, help="device egress delay (default 60 = 30 each way)")
+    parser.add_argument("--queue-ms", type=float, default=50.0, help="tbf queue before drops (default 50)")
+    parser.add_argument("--mtu", type=int, default=65000)
+    parser.add_argument("--link-seconds", type=float, default=2.0, help="of each bulk transfer of the link check")
+    parser.add_argument("--kill-at-step", type=int, default=22, help="node-loss run: kill then (0: no such run)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "train_cluster_weaklink.json")
+    args = parser.parse_args()
+    args.methods = args.methods.split(",")
+    if args.methods[0] != "none":
+        parser.error("--methods must start with none: speed-ups and accuracy are measured against it")
+    if why := unavailable() or harness_unavailable(network=True):
+        sys.exit(f"error: {why}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the with-blocks still tear everything down
+    result = {"devices": DEVICES, "ranks_per_device": 1, "model": "small_cnn"}
+    result |= {"data": f"{args.images} digits as PNG @16px, synced"}
+    result |= {"epochs": args.epochs, "rate": args.rate, "device_egress_delay_ms": args.delay_ms, "mtu": args.mtu}
+    result |= {"queue_ms": args.queue_ms, "cpus": os.cpu_count()}
+    with tempfile.TemporaryDirectory() as tmp:
+        bench(args, Path(tmp), result)
+    print(table(result))
+    print(f"best: {result['best']} (fastest within 1 point of none)")
+
+
+if __name__ == "__main__":
+    main()
