@@ -21,13 +21,13 @@ the quickstart's tensor digits get no augmentation) so that `data.sync = true` h
 every device runs one rank with this venv's Python (tests/harness: a real sshd per device in its own namespaces
 with a private disk; tests/train/test_cluster.py's `start_cluster`).
 
-Only the first 720 of the 1,797 digits (`--images`), for two reasons found here: (1) the upload's `verify` step
-(pipeline/fleet/upload.py) puts every file name of the bundle on one shell command line, twice, and a dataset of
-more than about 1,000 files exceeds Linux's 128 KiB limit on one argument ("Argument list too long": the first run
-fails); (2) the upload sends one file at a time, several round trips each (SFTP open, write, close, rename), so
-on this link the first run spent about 4 minutes between its start and its agents' start, most of it on the 720
-images. Fewer images mean fewer steps per epoch (9) and a lower accuracy than the quickstart's 1,437 training
-images give.
+Only the first 720 of the 1,797 digits (`--images`), for two reasons found here: (1) when measured, the upload's
+`verify` step (pipeline/fleet/upload.py) put every file name of the bundle on one shell command line, twice, and a
+dataset of more than about 1,000 files exceeded Linux's 128 KiB limit on one argument ("Argument list too long";
+fixed since, tests/fleet/test_upload.py); (2) the upload sends one file at a time, several round trips each (SFTP
+open, write, close, rename), so on this link the first run spent about 4 minutes between its start and its agents'
+start, most of it on the 720 images. Fewer images mean fewer steps per epoch (9) and a lower accuracy than the
+quickstart's 1,437 training images give.
 
 The link. Each stand-in has its own network namespace joined to the host by a veth pair (tests/harness/network.py
 `DeviceLink`); the host forwards between the pairs, so device-to-device traffic crosses two links. Both veth ends

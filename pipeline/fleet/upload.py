@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import re
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -33,6 +33,9 @@ from pipeline.fleet.ssh import Completed
 
 SUMS = "SHA256SUMS"
 FILE_NAME = re.compile(r"[A-Za-z0-9._-]{1,255}")
+COMMAND_BYTES = 64 * 1024
+"""Most bytes of one remote command built from file names: half of Linux's 128 KiB cap on one argument (the
+command is `sh -c`'s), which no shell line may exceed whatever ARG_MAX says."""
 
 
 class Remote(Protocol):
@@ -148,10 +151,9 @@ async def stage(host: Remote, parent: str, item: Bundle, workdir: Path, sent: Se
             links.append((there, f"{part}/{name}"))
         else:
             sends.append((name, local))
-    if links:
-        script = " && ".join(f"{{ ln -f {_q(s)} {_q(d)} || cp {_q(s)} {_q(d)}; }}" for s, d in links)
+    for script in _batches([f"{{ ln -f {_q(s)} {_q(d)} || cp {_q(s)} {_q(d)}; }}" for s, d in links]):
         await _check(host, f"cd {_q(parent)} && {script}", "cannot reuse files already on the device")
-        sent.reused = len(links)
+    sent.reused = len(links)
     for name, local in sends:
         sent.bytes += await host.put(local, f"{parent}/{part}/{name}")
         sent.files += 1
@@ -162,12 +164,15 @@ async def verify(host: Remote, parent: str, item: Bundle) -> None:
     never promoted), sync the files and the directory to disk, then `sha256sum -c`. VerifyFailed when a file (or
     SHA256SUMS itself) does not match; the files that failed are removed so the next attempt sends them again."""
     part = f"{parent}/{item.id}.part"
-    names = [*sorted(item.files), SUMS]
-    listed = "|".join(names)  # plain names (FILE_NAME): nothing a `case` pattern would expand
+    # The names kept are read from the SHA256SUMS just sent (its digest is checked below), not written into the
+    # command: a command is one argument of `sh -c`, which Linux caps at 128 KiB (MAX_ARG_STRLEN), a few thousand
+    # names. Each name (after the 64 hex digits and two spaces) sits on its own line of `$keep`.
     command = (
-        f'cd {_q(part)} && for f in * .[!.]* ..?*; do case "$f" in {listed}) ;; *) [ ! -e "$f" ] || rm -rf -- "$f" ;; '
-        # fsync each file and the directory (its entries: the renames and links); plain `sync` where that fails.
-        f"esac; done && {{ sync -- . {' '.join(_q(n) for n in names)} 2>/dev/null || sync; }} && "
+        f'cd {_q(part)} && nl="\n" && keep="$nl$(cut -c67- {SUMS})$nl" && set -- . && for f in * .[!.]* ..?*; do '
+        f'[ -e "$f" ] || continue; case "$f" in {SUMS}) ;; *) case "$keep" in *"$nl$f$nl"*) ;; '
+        f'*) rm -rf -- "$f"; continue ;; esac ;; esac; set -- "$@" "$f"; done && '
+        # fsync each file kept and the directory (its entries: the renames and links); plain `sync` where that fails.
+        '{ sync -- "$@" 2>/dev/null || sync; } && '
         f"sha256sum {SUMS} && sha256sum -c {SUMS}"
     )
     out = await host.run(command)
@@ -178,7 +183,8 @@ async def verify(host: Remote, parent: str, item: Bundle) -> None:
     if out.ok and digest == item.sums_sha256:
         return
     if bad:
-        await host.run(f"cd {_q(part)} && rm -f -- {' '.join(_q(n) for n in bad)}")
+        for names in _batches([_q(n) for n in bad], " "):
+            await host.run(f"cd {_q(part)} && rm -f -- {names}")
         raise VerifyFailed(f"checksum mismatch on the device: {', '.join(bad)}")
     if digest and digest != item.sums_sha256:
         raise VerifyFailed(f"checksum mismatch on the device: {SUMS} is not this one")
@@ -202,6 +208,20 @@ async def publish(host: Remote, parent: str, item: Bundle, live: tuple[str, str]
 
 def _q(text: str) -> str:
     return shlex.quote(text)
+
+
+def _batches(parts: list[str], sep: str = " && ", limit: int = COMMAND_BYTES) -> Iterator[str]:
+    """`parts` joined by `sep` into as few strings as keep each under `limit` bytes: one remote command each."""
+    batch: list[str] = []
+    size = 0
+    for part in parts:
+        if batch and size + len(sep) + len(part) > limit:
+            yield sep.join(batch)
+            batch, size = [], 0
+        size += len(part) + (len(sep) if batch else 0)
+        batch.append(part)
+    if batch:
+        yield sep.join(batch)
 
 
 async def _check(host: Remote, command: str, what: str) -> Completed:
