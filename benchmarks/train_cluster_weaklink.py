@@ -15,8 +15,9 @@ What it measures (issue #14), with `pipeline train --inventory` as a user runs i
   and data unchanged), from the upload's own `bytes_sent` (summary.json) and from the host ends' link counters
   (/sys/class/net/jetN/statistics/{tx,rx}_bytes, summed), split at the first and the last training step.
 
-The job is the quickstart (configs/quickstart.toml defaults: small_cnn at 16 px, global batch 64, lr 1e-2, 8
-epochs) on the built-in digits, written as an image folder (one PNG per digit, by class; `data.augment = false`, as
+The job is the quickstart (configs/quickstart.toml defaults: small_cnn at 16 px, global batch 64, lr 1e-2; 8
+epochs set, the quickstart's count: `auto` would train 14 on these 576 training images, to reach 120 optimizer
+steps) on the built-in digits, written as an image folder (one PNG per digit, by class; `data.augment = false`, as
 the quickstart's tensor digits get no augmentation) so that `data.sync = true` has the controller send the data;
 every device runs one rank with this venv's Python (tests/harness: a real sshd per device in its own namespaces
 with a private disk; tests/train/test_cluster.py's `start_cluster`).
@@ -152,6 +153,15 @@ class Sample:
     logs: dict[str, tuple[int, int]]
     """Device name -> (inode, highest step) of its metrics.jsonl, where it has one."""
 
+    @property
+    def step(self) -> int:
+        """The highest step any device's log showed (0 before the first)."""
+        return max((step for _, step in self.logs.values()), default=0)
+
+    def stepped_past(self, step: int, before: dict[str, tuple[int, int]]) -> bool:
+        """Whether a device's log, rewritten since `before` (another inode: a new round), is past `step`."""
+        return any(ino != before.get(name, (0, 0))[0] and s > step for name, (ino, s) in self.logs.items())
+
 
 @dataclass
 class Watcher:
@@ -202,16 +212,15 @@ class Watcher:
 
     def step(self) -> int:
         """The highest step any device's log shows now."""
-        last = self.samples[-1] if self.samples else None
-        return max((s for _, s in last.logs.values()), default=0) if last else 0
+        return self.samples[-1].step if self.samples else 0
 
 
 def phases(samples: list[Sample], start: Sample) -> dict[str, dict[str, int]]:
     """Host-end bytes (tx: toward the devices, rx: back) before the first step, while training, and after."""
-    stepping = [s for s in samples if any(step > 0 for _, step in s.logs.values())]
-    top = max((max(step for _, step in s.logs.values()) for s in stepping), default=0)
+    stepping = [s for s in samples if s.step > 0]
+    top = max((s.step for s in stepping), default=0)
     first = stepping[0] if stepping else samples[-1]
-    last = next((s for s in stepping if max(step for _, step in s.logs.values()) == top), samples[-1])
+    last = next((s for s in stepping if s.step == top), samples[-1])
     cuts = [start, first, last, samples[-1]]
     names = ("before_first_step", "training", "after_last_step")
     return {name: {"tx": b.tx - a.tx, "rx": b.rx - a.rx} for name, a, b in zip(names, cuts[:-1], cuts[1:], strict=True)}
@@ -288,18 +297,8 @@ def _lose_a_node(
     line = output.wait_for("round 2:", proc, timeout_s=600)
     regrouped = time.time()  # Output polls every 0.2 s: this is up to 0.2 s late
     resumed = int(re.search(r"from step (\d+)", line)[1])  # type: ignore[index]
-    while True:  # a survivor's log rewritten for the new round (new inode) with a step past the checkpoint
-        fresh = [s for s in watch.samples if s.t > killed]
-        hit = next(
-            (
-                s
-                for s in fresh
-                if any(ino != before.get(name, (0, 0))[0] and step > resumed for name, (ino, step) in s.logs.items())
-            ),
-            None,
-        )
-        if hit is not None:
-            break
+    # The next step: a survivor's log rewritten for the new round (new inode) with a step past the checkpoint.
+    while (hit := next((s for s in watch.samples if s.t > killed and s.stepped_past(resumed, before)), None)) is None:
         if proc.poll() is not None:
             raise RuntimeError(f"no training step after the regroup:\n{output.text()[-3000:]}")
         time.sleep(POLL_S)
@@ -382,7 +381,7 @@ def table(result: dict[str, Any]) -> str:
 def main() -> None:
     """Parse the arguments, run the benchmark, write the JSON, print the table."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=8, help="per run (default 8, the quickstart's `auto`)")
+    parser.add_argument("--epochs", type=int, default=8, help="per run (default 8: `auto` would make 14, see above)")
     parser.add_argument("--images", type=int, default=720, help="of the 1,797 digits (see the docstring; 720)")
     parser.add_argument("--methods", default="none,fp16,powersgd,topk,localsgd", help="comma-separated; none first")
     parser.add_argument("--rate", default="20mbit", help="tbf rate on both ends of each link (default 20mbit)")
