@@ -20,7 +20,7 @@ from pipeline.config import Config, TrainConfig
 from pipeline.errors import PipelineError
 from pipeline.layout import CONFIG_SNAPSHOT
 from pipeline.manifest import RunDir
-from pipeline.train import checkpoint, finetune, procgroup
+from pipeline.train import checkpoint, finetune, procgroup, runtime
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -83,6 +83,7 @@ def environment(cfg: TrainConfig) -> dict[str, str]:
 
 def preflight(cfg: Config) -> None:
     """Reject configs that cannot train before any process starts, so the user gets one line, not N tracebacks."""
+    runtime.resolve_backend(cfg.train)
     data.check_source(cfg.data)
     spec = models.spec_for(cfg.model.name)
     if cfg.data.image_size < spec.min_size:

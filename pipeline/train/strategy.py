@@ -168,7 +168,8 @@ def wrap(model: nn.Module, cfg: TrainConfig, rt: Runtime, name: str = "ddp") -> 
             for norm in (m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)):
                 fully_shard(norm, mesh=mesh, mp_policy=full)
         for block in blocks(model):
-            fully_shard(block, mesh=mesh, mp_policy=policy)
+            if not isinstance(block, FSDPModule):  # a lone norm layer (resnet's stem bn1) is a unit already
+                fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         return model, _FixedPayload(payload)
     device_ids = [rt.device.index] if rt.device.type == "cuda" else None

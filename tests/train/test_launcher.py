@@ -71,6 +71,13 @@ def test_preflight_names_the_offending_key(tmp_path: Path) -> None:
         launcher.preflight(validate({"model": {"name": "nope"}}, "test"))
 
 
+def test_nccl_without_cuda_is_refused_before_any_rank_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # hides a GPU where there is one
+    with pytest.raises(PipelineError, match=r"train\.backend: nccl needs CUDA, which this node does not have"):
+        launcher.launch(validate({"train": {"backend": "nccl", "nproc_per_node": 1}}, "test"), tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_foreign_checkpoint_is_refused_before_the_snapshot_changes(tmp_path: Path) -> None:
     first = validate({}, "test")
     run = create_run_dir(first, tmp_path / "run")

@@ -323,3 +323,22 @@ def test_heat_shrinks_the_micro_batch_but_not_the_global_batch(runs: Path) -> No
     assert [bool(r["batch_event"]) for r in steps] == [i in (0, 5, 10) for i in range(12)]
     assert [r["comm_bytes"] for r in steps] == [r["comm_bytes"] for r in cool]  # still one sync per step
     assert steps[-1]["loss"] == pytest.approx(cool[-1]["loss"], rel=0.1)
+
+
+def _shard_resnet_in_bf16() -> None:
+    dist.init_process_group("gloo")
+    try:
+        cfg = validate({"train": {"strategy": "fsdp", "precision": "bf16-mixed"}}, "test").train
+        rt = runtime.Runtime(0, 1, "gloo", torch.device("cpu"), "bf16-mixed")
+        model, _ = strategy.wrap(models.build_model("resnet18", 10, 3), cfg, rt, "fsdp")
+        with rt.autocast():
+            loss = model(torch.zeros(2, 3, 32, 32)).float().sum()
+        loss.backward()
+        assert model.bn1.weight.grad is not None and model.bn1.weight.dtype == torch.float32
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_bf16_shards_a_norm_layer_at_the_root_once() -> None:
+    """resnet18's stem BatchNorm is a root child, so both a norm unit and a block: sharded twice, FSDP2 refused."""
+    run_ranks(_shard_resnet_in_bf16, world=1)
