@@ -156,8 +156,10 @@ class TrainConfig(Section):
     """`localsgd`: average each tensor's change since the last averaging in 8 bits (one fp32 scale per tensor) with
     error feedback, instead of the fp32 parameters: a quarter of the bytes on each averaging step."""
     compression_auto_every_steps: int = Field(20, ge=1)
-    """`auto`: steps between link measurements (a timed all-reduce of 4 bytes and of 512 KiB). A switch needs the
-    median of the last 3 to favour another method by 20% at 2 measurements in a row."""
+    """`auto`: steps between measurements. Each times the steps since the last; the link itself (an all-reduce of
+    4 bytes and of 512 KiB) is timed only when the running method's own communication time has moved by half, or at
+    every 5th measurement. A switch needs the median of the last 3 link samples to favour another method by 20% at
+    2 measurements in a row."""
     memory_budget_mb: int | None = Field(None, ge=1)
     """Memory one rank may use, for `strategy = "auto"`; unset: free CUDA memory, or 80% of the host's available
     memory split between the node's ranks."""

@@ -1,11 +1,13 @@
 """`train.compression = "auto"`: measure the link, the step's compute and each method's cost, run the fastest.
 
-After the compression warm-up, and every `compression_auto_every_steps` steps after it, every rank times a 4-byte
-and a :data:`PROBE_BYTES` all-reduce (latency and seconds per byte), the steps since the last measurement (wall time
-less the hook's: compute) and, once, each candidate's encoding on this model's gradients. Rank 0 predicts each
-candidate's step time from them (:func:`predict`), decides (:class:`Policy`: the median of the last :data:`WINDOW`
-link samples, a switch only when another method is :data:`BAND` faster at :data:`PATIENCE` measurements in a row)
-and broadcasts the choice, so every rank switches at the same step and issues the same collectives in the same order.
+After the compression warm-up, and every `compression_auto_every_steps` steps after it, every rank measures the
+steps since the last measurement (wall time less the hook's: compute; and the hook's own seconds), once, each
+candidate's encoding on this model's gradients and, when :class:`LinkWatch` says the link may have moved, a timed
+4-byte and :data:`PROBE_BYTES` all-reduce (latency and seconds per byte). One all-reduce gives every rank the slowest
+rank's numbers; from them every rank predicts each candidate's step time (:func:`predict`) and decides
+(:class:`Policy`: the median of the last :data:`WINDOW` link samples, a switch only when another method is
+:data:`BAND` faster at :data:`PATIENCE` measurements in a row). Same numbers, same pure decision: every rank switches
+at the same step and issues the same collectives in the same order, with no broadcast.
 
 DDP takes one communication hook for its lifetime: the registered hook dispatches to the running method's own
 (state, hook) from :data:`compression.HOOKS`. On a switch the old method's error feedback (what it has not sent yet)
@@ -17,7 +19,7 @@ import statistics
 import sys
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -40,6 +42,14 @@ BAND = 0.2
 """Another method must be predicted this much faster than the running one before it is considered."""
 PATIENCE = 2
 """Measurements in a row that must favour the same other method before a switch."""
+RECHECK = 5
+"""Measurements between link samples while the running method's own communication time holds still."""
+WATCH_BAND = 0.5
+"""How far the running method's hook seconds per step must move to count as the link changing: CPU noise on a
+shared machine moves them by 20-30% from one measurement to the next; a link changing by a factor of 2 or more,
+enough to change the best method, moves them further. Smaller changes wait for the :data:`RECHECK`."""
+WATCH_FLOOR_S = 0.005
+"""Smallest move of the running method's hook seconds per step that counts as the link changing."""
 CANDIDATES = ("none", "fp16", "powersgd", "topk", "sign")
 """Methods `auto` chooses from: gradient hooks that can take over from each other at any step (local SGD changes
 what is averaged, the model, and is not among them)."""
@@ -168,6 +178,36 @@ class Policy:
         return Decision(step, method, previous, reason, ms, link.mbit_per_s, compute_s, predicted)
 
 
+@dataclass
+class LinkWatch:
+    """When to time the link again. Timing it costs (a 512 KiB all-reduce takes 0.4 s at 10 Mbit/s), and the running
+    method already times its own collectives every step: the link is sampled again only when those seconds move by
+    :data:`WATCH_BAND` (then :data:`WINDOW` fresh samples, so the median follows at once) or every :data:`RECHECK`
+    measurements. Pure, like :class:`Policy`; every rank runs it on the same numbers and so agrees."""
+
+    band: float = WATCH_BAND
+    floor_s: float = WATCH_FLOOR_S
+    recheck: int = RECHECK
+    baseline: float | None = None
+    """The running method's hook seconds per step when last seen steady (None: take the next as the baseline)."""
+    quiet: int = 0
+
+    def due(self, hook_s: float) -> tuple[int, str]:
+        """How many link samples to take at this measurement (0, 1 or WINDOW), and why."""
+        baseline = self.baseline
+        if baseline is None:
+            self.baseline, self.quiet = hook_s, 0
+            return 0, f"new baseline: hook {1000 * hook_s:.1f} ms/step"
+        if abs(hook_s - baseline) > max(self.band * baseline, self.floor_s):
+            self.baseline = None
+            return WINDOW, f"hook {1000 * baseline:.1f} -> {1000 * hook_s:.1f} ms/step"
+        self.quiet += 1
+        if self.quiet >= self.recheck:
+            self.quiet = 0
+            return 1, "periodic re-check"
+        return 0, f"hook steady at {1000 * hook_s:.1f} ms/step"
+
+
 def payload_bytes(method: str, params: list[torch.Tensor], knobs: Knobs) -> int:
     """Bytes `method` hands to collectives per step for these parameters in one bucket (fp32 gradients)."""
     numel = sum(p.numel() for p in params)
@@ -189,7 +229,7 @@ class _LocalBucket:
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         self._params = params
-        self._buffer = torch.randn(sum(p.numel() for p in params))
+        self._buffer = torch.randn(sum(p.numel() for p in params), device=params[0].device)
 
     def buffer(self) -> torch.Tensor:
         return self._buffer
@@ -200,54 +240,70 @@ class _LocalBucket:
     def parameters(self) -> list[torch.Tensor]:
         return self._params
 
+    def gradients(self) -> list[torch.Tensor]:
+        sizes = [p.numel() for p in self._params]
+        return [g.view_as(p) for g, p in zip(self._buffer.split(sizes), self._params, strict=True)]
+
     def is_last(self) -> bool:
         return True
 
 
 class _LocalSparse(compression._SparseState):
-    """Top-k/sign state whose gather returns `world` copies of this rank's payload instead of communicating."""
+    """Top-k/sign state whose gather decodes `world` copies of this rank's payload instead of communicating."""
 
     world: int = 2
 
-    def gather(self, payload: torch.Tensor) -> list[torch.Tensor]:
-        return [payload.clone() for _ in range(self.world)]
+    def gather(
+        self, payload: torch.Tensor, decode: Callable[[list[torch.Tensor]], torch.Tensor]
+    ) -> torch.futures.Future[torch.Tensor]:
+        return compression._completed(decode([payload.clone() for _ in range(self.world)]))
 
 
-def _powersgd_work(params: list[torch.Tensor], rank: int) -> None:
-    """PowerSGD's arithmetic on random matrices shaped like the parameters: M·Q, orthogonalise, Mᵀ·P, P·Qᵀ."""
-    for p in params:
-        if p.dim() < 2:
-            continue
-        n, m = p.shape[0], p.numel() // p.shape[0]
-        r = min(n, m, rank)
-        if n * m <= 2 * (n + m) * r:
-            continue
-        matrix, q = torch.randn(n, m), torch.randn(m, r)
-        p_low = torch.linalg.qr(matrix @ q).Q
-        matrix -= p_low @ (matrix.t() @ p_low).t()  # the error feedback's residual
-
-
-def encode_seconds(method: str, params: list[torch.Tensor], knobs: Knobs, world: int, repeats: int = 2) -> float:
+def encode_seconds(
+    method: str,
+    params: list[torch.Tensor],
+    knobs: Knobs,
+    world: int,
+    own_group: dist.ProcessGroup | None = None,
+    repeats: int = 2,
+) -> float:
     """Seconds this rank spends compressing and decompressing one step's gradients with `method` (best of
-    `repeats`, after a first untimed run), with the collectives left out."""
+    `repeats`, after untimed runs), with the link left out: top-k and sign decode `world` payloads of their own;
+    PowerSGD is torch's own hook, run on `own_group`, a group of this rank alone, whose all-reduces cost nothing."""
     if method == "none":
         return 0.0
     bucket = _LocalBucket(params)
-    state = _LocalSparse(None, CommCounter(), compression._Steps(0))
-    state.world = world
-    work = {
-        "fp16": lambda: bucket.buffer().half().float(),
-        "powersgd": lambda: _powersgd_work(params, knobs.powersgd_rank),
-        "topk": lambda: compression._topk(knobs.topk_fraction)(state, bucket),  # type: ignore[arg-type]
-        "sign": lambda: compression._sign(state, bucket),  # type: ignore[arg-type]
-    }[method]
-    work()
+    work = _encoder(method, bucket, knobs, world, own_group)
+    for _ in range(3 if method == "powersgd" else 1):  # PowerSGD all-reduces plainly for its first 2 steps
+        work()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         work()
+        _sync(bucket.buffer().device)
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def _encoder(
+    method: str, bucket: _LocalBucket, knobs: Knobs, world: int, own_group: dist.ProcessGroup | None
+) -> Callable[[], object]:
+    """One step of `method`'s compressing and decompressing of `bucket`, with the state of that method alone."""
+    if method == "fp16":
+        return lambda: bucket.buffer().half().float()
+    if method == "powersgd":
+        state, hook = compression.HOOKS["powersgd"](replace(knobs, warmup_steps=2), own_group, CommCounter())
+        return lambda: hook(state, bucket).wait()  # type: ignore[arg-type]
+    sparse = _LocalSparse(None, CommCounter(), compression._Steps(0))
+    sparse.world = world
+    compress = compression._topk(knobs.topk_fraction) if method == "topk" else compression._sign
+    return lambda: compress(sparse, bucket).wait()  # type: ignore[arg-type]
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for the GPU's queued kernels, so that a wall-clock time covers them."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def time_link(group: dist.ProcessGroup | None, device: torch.device) -> LinkSample:
@@ -255,10 +311,12 @@ def time_link(group: dist.ProcessGroup | None, device: torch.device) -> LinkSamp
     small = torch.zeros(1, device=device)
     large = torch.zeros(PROBE_BYTES // 4, device=device)
     dist.all_reduce(small, group=group)
+    _sync(device)
     timings = []
     for tensor in (small, large):
         start = time.perf_counter()
         dist.all_reduce(tensor, group=group)
+        _sync(device)  # nccl only queues the collective on the stream
         timings.append(time.perf_counter() - start)
     return LinkSample.from_timings(timings[0], timings[1], PROBE_BYTES)
 
@@ -304,18 +362,21 @@ class AutoCompression(Compression):
         self.params, self.group, self.every = params, group, every
         self.world = dist.get_world_size(group)
         self.is_root = dist.get_rank(group) == 0
-        self.root = dist.get_global_rank(group, 0) if group is not None else 0
         self.device = params[0].device
         self.warmup = knobs.warmup_steps
         # A method taking over mid-run needs no warm-up of its own (PowerSGD still all-reduces its first 2 steps).
         self.knobs = replace(knobs, warmup_steps=0)
         self.candidates = [m for m in CANDIDATES if self._works(m)]
         self.dispatch = _Dispatch("none", *compression.HOOKS["none"](self.knobs, group, self.counter))
-        self.policy = Policy(self.world)
+        self.policy, self.watch = Policy(self.world), LinkWatch()
+        # Every rank creates every one-rank group, in the same order: PowerSGD's cost is timed on this rank's own.
+        self.own_group = dist.new_subgroups(group_size=1, group=group)[0]
         self.steps = 0
         self.costs: list[Cost] | None = None
         self.compute: list[float] = []
+        self.hooks: list[float] = []
         self.step_hook_s = self.probe_s = 0.0
+        self.link_samples: tuple[int, str] = (0, "")
         self.decisions: list[tuple[int, str]] = []
         """(step, method) of every measurement, on every rank: the same list on all of them."""
         self.last: Decision | None = None
@@ -330,6 +391,8 @@ class AutoCompression(Compression):
         self.name = self.dispatch.method  # the method that ran this step, whatever is decided now
         self.step_hook_s, self.dispatch.hook_s = self.dispatch.hook_s, 0.0
         self.probe_s = 0.0
+        if self.steps > 1:
+            self.hooks.append(self.step_hook_s)
         first = max(self.warmup, 2)  # step 1 includes DDP's bucket rebuild: not a compute sample
         if self.steps < first or (self.steps - first) % self.every:
             return
@@ -345,38 +408,57 @@ class AutoCompression(Compression):
 
     def fields(self) -> dict[str, Any]:
         """The method that ran this step, and the decision made after it if there was one (with `probe_s`, the
-        seconds its measurements and collectives took)."""
+        seconds its measurements and collectives took, and how many link samples it took and why)."""
         row: dict[str, Any] = {"compression": self.name}
         if self.last is not None and self.last.step == self.steps:
-            row["compression_decision"] = self.last.record() | {"probe_s": self.probe_s}
+            count, why = self.link_samples
+            row["compression_decision"] = self.last.record() | {
+                "probe_s": self.probe_s,
+                "link_samples": count,
+                "link_reason": why,
+            }
         return row
 
     def _decide(self) -> None:
         first = self.costs is None
-        samples = [time_link(self.group, self.device) for _ in range(WINDOW if first else 1)]
         if self.costs is None:
-            encode = [encode_seconds(m, self.params, self.knobs, self.world) for m in self.candidates]
+            encode = [encode_seconds(m, self.params, self.knobs, self.world, self.own_group) for m in self.candidates]
         else:
             encode = [c.encode_s for c in self.costs]
         compute = statistics.fmean(self.compute) if self.compute else 0.0
-        self.compute = []
-        # The slowest rank sets the pace: its compute and encoding times count.
-        slowest = torch.tensor([compute, *encode], dtype=torch.float64, device=self.device)
+        hook = statistics.fmean(self.hooks) if self.hooks else 0.0
+        self.compute, self.hooks = [], []
+        # The slowest rank sets the pace: its times count, and every rank gates the link samples on the same numbers.
+        slowest = torch.tensor([compute, hook, *encode], dtype=torch.float64, device=self.device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.group)
-        compute, *encode = slowest.tolist()
+        compute, hook, *encode = slowest.tolist()
         self.costs = [
             Cost(m, payload_bytes(m, self.params, self.knobs), e) for m, e in zip(self.candidates, encode, strict=True)
         ]
-        choice = torch.zeros(1, dtype=torch.int64, device=self.device)
+        count, why = (WINDOW, "first measurement") if first else self.watch.due(hook)
+        if count == WINDOW:
+            self.policy.samples.clear()
+        self.link_samples = (count, why)
+        # Every rank decides, on the same numbers (the slowest rank's), so they agree without a broadcast.
+        self.last = self.policy.observe(self.steps, self._link(count), compute, self.costs)
         if self.is_root:
-            self.last = self.policy.observe(self.steps, samples, compute, self.costs)
-            tqdm.write(self.last.line(), file=sys.stderr)
-            choice[0] = self.candidates.index(self.last.method)
-        dist.broadcast(choice, src=self.root, group=self.group)
-        method = self.candidates[int(choice.item())]
+            tqdm.write(f"{self.last.line()}; {count} link samples ({why})", file=sys.stderr)
+        method = self.last.method
         self.decisions.append((self.steps, method))
         if method != self.dispatch.method:
+            self.watch.baseline = None  # the new method's hook seconds are its own
             self._switch(method)
+
+    def _link(self, count: int) -> list[LinkSample]:
+        """`count` link samples, each the slowest rank's latency and seconds per byte."""
+        if count == 0:
+            return []
+        timed = [time_link(self.group, self.device) for _ in range(count)]
+        flat = torch.tensor([v for t in timed for v in (t.latency_s, t.s_per_byte)], dtype=torch.float64)
+        flat = flat.to(self.device)
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.group)
+        values = flat.tolist()
+        return [LinkSample(values[i], values[i + 1]) for i in range(0, len(values), 2)]
 
     def _switch(self, method: str) -> None:
         """Run `method` from the next step on, carrying the old method's unsent residuals into it."""

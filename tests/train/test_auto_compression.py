@@ -15,7 +15,7 @@ import models
 from pipeline import layout
 from pipeline.config import validate
 from pipeline.train import auto_compression, compression, runtime
-from pipeline.train.auto_compression import Cost, Decision, LinkSample, Policy, predict
+from pipeline.train.auto_compression import WINDOW, Cost, Decision, LinkSample, LinkWatch, Policy, predict
 from pipeline.train.worker import Trainer
 from tests.train.ranks import run_ranks
 
@@ -86,6 +86,19 @@ def test_a_gain_inside_the_band_does_not_switch() -> None:
     policy.current = "none"
     decisions = [policy.observe(s, [link] * 3, 1.0, costs) for s in range(5)]
     assert all(d.method == "none" and "within 20%" in d.reason for d in decisions)
+
+
+def test_the_link_is_sampled_again_only_when_the_hooks_time_moves_or_to_recheck() -> None:
+    watch = LinkWatch(band=0.2, floor_s=0.005, recheck=3)
+    assert watch.due(0.100)[0] == 0  # the first measurement of a method sets its baseline
+    assert [watch.due(s)[0] for s in (0.110, 0.090, 0.104)] == [0, 0, 1]  # within 20%: only the re-check
+    count, why = watch.due(0.300)  # the link slowed: the running method's own collectives tell
+    assert count == WINDOW and "100.0 -> 300.0 ms/step" in why
+    assert watch.due(0.310)[0] == 0  # the new level is the new baseline
+    assert watch.due(0.200)[0] == WINDOW  # and a faster link is a move too
+    tiny = LinkWatch(band=0.2, floor_s=0.005)
+    tiny.due(0.001)
+    assert tiny.due(0.004)[0] == 0  # 3 ms on a loopback link is noise, not a new link
 
 
 def test_payload_model_matches_what_the_hooks_count() -> None:

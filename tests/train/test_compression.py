@@ -164,6 +164,33 @@ def test_sign_packing_round_trips_and_is_one_bit_per_entry() -> None:
     assert torch.equal(signs, torch.where(x >= 0, 1.0, -1.0))
 
 
+def test_scaled_signs_are_each_tensors_scale_times_its_signs() -> None:
+    sizes = [7, 1, 300, 20]
+    x, scales = torch.randn(sum(sizes)), torch.tensor([0.5, 2.0, 1e-3, 7.0])
+    expected = scales.repeat_interleave(torch.tensor(sizes)) * torch.where(x >= 0, 1.0, -1.0)
+    assert torch.equal(compression.scaled_signs(compression.pack_signs(x), scales, sizes), expected)
+
+
+def _magnitudes() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    heavy = torch.randn(200_000, generator=generator).abs() * torch.rand(200_000, generator=generator) ** 3
+    strided = torch.rand(20_000, generator=generator)
+    strided[:: compression.TOPK_SAMPLE_STRIDE] += 10.0  # the sample sees only these: its threshold keeps too few
+    return {"heavy-tailed": heavy, "strided": strided, "ties": torch.ones(50_000), "small": torch.rand(300)}
+
+
+@pytest.mark.parametrize("name", ["heavy-tailed", "strided", "ties", "small"])
+@pytest.mark.parametrize("fraction", [0.001, 0.01, 0.1, 0.6])
+def test_largest_selects_what_topk_selects(name: str, fraction: float) -> None:
+    magnitude = _magnitudes()[name]
+    k = compression.topk_size(magnitude.numel(), fraction)
+    index = compression.largest(magnitude, k)
+    assert index.numel() == k and index.unique().numel() == k
+    # The same values as topk's (ties may pick other entries of equal magnitude).
+    expected = magnitude.topk(k).values
+    assert torch.equal(magnitude[index].sort(descending=True).values, expected)
+
+
 def test_every_configurable_method_has_a_hook() -> None:
     assert set(compression.HOOKS) == set(METHODS)
 
@@ -192,7 +219,7 @@ def record_buckets(root: Path) -> None:
 
     DistributedDataParallel.register_comm_hook = spying  # type: ignore[method-assign]
     try:
-        for method in ("none", *compression.BLOCKING):
+        for method in ("none", "topk", "sign", *compression.BLOCKING):
             cfg = method_config(method, 1, 2, **KNOBS).train
             model, _ = strategy.wrap(models.build_model("resnet18", 10, 3), cfg, rt)
             for _ in range(2):
@@ -212,6 +239,36 @@ def test_blocking_methods_send_the_gradients_in_one_bucket(tmp_path: Path) -> No
     assert len(default) > 1 and sum(default) == numel  # plain all-reduces overlap the backward pass
     for method in compression.BLOCKING:
         assert json.loads((tmp_path / f"{method}.buckets").read_text()) == [numel], method
+    for method in ("topk", "sign"):  # asynchronous: DDP's own buckets, overlapping the backward pass like none
+        assert json.loads((tmp_path / f"{method}.buckets").read_text()) == default, method
+
+
+def step_in_buckets(root: Path) -> None:
+    """On each rank: resnet18 (3 DDP buckets) under top-k and sign with no warm-up, 3 SGD steps on data of its own;
+    writes a checksum of the weights."""
+    rt = runtime.init(validate({}, "test").train)
+    try:
+        for method in ("topk", "sign"):
+            cfg = method_config(method, 1, 2, compression_warmup_steps=0, topk_fraction=0.01).train
+            model, _ = strategy.wrap(models.build_model("resnet18", 10, 3), cfg, rt)
+            optim = torch.optim.SGD(model.parameters(), lr=0.1)
+            data = torch.Generator().manual_seed(rt.rank)
+            for _ in range(3):
+                optim.zero_grad()
+                model(torch.randn(4, 3, 32, 32, generator=data)).logsumexp(dim=1).mean().backward()
+                optim.step()
+            weights = sum(p.detach().double().sum().item() for p in model.parameters())
+            (root / f"{method}.{rt.rank}").write_text(repr(weights))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_asynchronous_gathers_in_several_buckets_keep_every_rank_identical(tmp_path: Path) -> None:
+    """Each bucket's all_gather is still running when the next bucket's hook starts: the ranks must still match
+    every gather with its counterpart, so that they average the same gradients and hold the same weights."""
+    run_ranks(step_in_buckets, tmp_path)
+    for method in ("topk", "sign"):
+        assert (tmp_path / f"{method}.0").read_text() == (tmp_path / f"{method}.1").read_text(), method
 
 
 def average_int8(root: Path) -> None:
