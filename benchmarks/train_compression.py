@@ -1,14 +1,15 @@
 """s/step, bytes/step and final accuracy of every gradient-compression method, for resnet18 across a weak link.
 
-    python benchmarks/train_compression.py [--link weak|loopback] [--epochs 3] [--methods none,fp16,...]
+    python benchmarks/train_compression.py [--link weak|loopback] [--epochs 3] [--seed 0] [--methods none,fp16,...]
 
-Every `train.compression` value, `auto` included, trains resnet18 on the built-in digits (32 px, global batch 32,
-3 epochs, seed 0) as one 2-node job of `pipeline train --nnodes 2`, one rank per node. `--link weak` (the default,
-root only) puts node 0 and node 1 in two network namespaces joined by a veth limited to 100 Mbit/s with 20 ms added
-each way (benchmarks/weaklink.py); `--link loopback` runs both nodes on 127.0.0.1, unshaped. Per method: the mean
-wall time of the steps after the warm-up (local SGD's periodic averaging steps included), the mean `comm_bytes` of
-those steps, and the final validation accuracy; the speed-up is against `none` of the same run. Writes
-benchmarks/results/train_compression[_loopback].json and .png, and prints a table.
+Every `train.compression` value, `auto` included, trains resnet18 on the built-in digits (32 px, global batch 32, lr
+3e-3, 3 epochs, seed 0; every compression knob at its default, so the first epoch is the warm-up) as one 2-node job of
+`pipeline train --nnodes 2`, one rank per node. `--link weak` (the default, root only) puts node 0 and node 1 in two
+network namespaces joined by a veth limited to 100 Mbit/s with 20 ms added each way (benchmarks/weaklink.py); `--link
+loopback` runs both nodes on 127.0.0.1, unshaped. Per method: the mean wall time of the steps after the first epoch
+(local SGD's periodic averaging steps included), the mean `comm_bytes` of those steps, and the final validation
+accuracy; the speed-up is against `none` of the same run. Writes benchmarks/results/train_compression[_loopback].json
+and .png (`_seedN` added for a seed other than 0: `run.seed` also draws the validation split), and prints a table.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, get_args
 
@@ -32,18 +34,17 @@ from pipeline.config import CompressionMethod  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 METHODS = get_args(CompressionMethod)
-WARMUP = 10
 PORT = 29400
-TRAIN = {
-    "batch_size": 32,
-    "lr": 3e-3,
-    "precision": "fp32",
-    "compression_warmup_steps": WARMUP,
-    "powersgd_rank": 2,
-    "topk_fraction": 0.01,
-    "localsgd_period": 8,
-    "pg_timeout_s": 600,
-}
+TRAIN = {"batch_size": 32, "lr": 3e-3, "precision": "fp32", "pg_timeout_s": 600}
+"""The job's settings; every compression knob (warm-up, rank, fraction, period, auto's) stays at its default."""
+
+
+def cpu_facts() -> dict[str, Any]:
+    """The CPU model and whether it has AVX-512: resnet18's step took 0.15 s on one machine of this workplace and
+    0.49 s on another (AVX2 only), which moves every compressed method's ratio to the link-bound `none`."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    return {"cpu_model": model, "avx512": " avx512f" in info}
 
 
 def toml_value(value: Any) -> str:
@@ -55,28 +56,31 @@ def toml_value(value: Any) -> str:
     return repr(value)
 
 
-def overrides(method: str, epochs: int, interface: str | None) -> list[str]:
+def overrides(method: str, epochs: int, interface: str | None, seed: int = 0) -> list[str]:
     """`--set` arguments of one method's config: the same for every method but `train.compression`."""
     settings: dict[str, Any] = {"model.name": "resnet18", "data.image_size": 32, "train.epochs": epochs}
+    settings["run.seed"] = seed
     settings |= {f"train.{k}": v for k, v in TRAIN.items()} | {"train.compression": method}
     if interface is not None:  # the one interface each namespace has: gloo must not guess from the hostname
         settings["train.env"] = {"GLOO_SOCKET_IFNAME": interface}
     return [arg for key, value in settings.items() for arg in ("--set", f"{key}={toml_value(value)}")]
 
 
-def node_command(method: str, epochs: int, run_dir: Path, rank: int, link: WeakLink | None, port: int) -> list[str]:
+def node_command(
+    method: str, epochs: int, run_dir: Path, rank: int, link: WeakLink | None, port: int, seed: int = 0
+) -> list[str]:
     """`pipeline train` for node `rank` of the job, inside its namespace when there is a link."""
     host = link.addresses[0] if link else "127.0.0.1"
     cmd = [sys.executable, "-m", "pipeline", "train", "--run-dir", str(run_dir), "--nproc-per-node", "1"]
     cmd += ["--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", f"{host}:{port}"]
-    cmd += overrides(method, epochs, link.interface if link else None)
+    cmd += overrides(method, epochs, link.interface if link else None, seed)
     if link is None:
         return cmd
     # The hostname resolves to no address inside a namespace: each node says where the other reaches it.
     return link.argv(rank, [*cmd, "--local-addr", link.addresses[rank]])
 
 
-def train_nodes(method: str, epochs: int, run_dir: Path, link: WeakLink | None) -> float:
+def train_nodes(method: str, epochs: int, run_dir: Path, link: WeakLink | None, seed: int = 0) -> float:
     """Run the 2-node job for `method` into `run_dir`; returns its wall seconds. Raises if a node fails."""
     from pipeline.train.launcher import free_port
 
@@ -87,7 +91,7 @@ def train_nodes(method: str, epochs: int, run_dir: Path, link: WeakLink | None) 
     procs = []
     for rank, log in enumerate(logs):
         with log.open("w") as out:
-            cmd = node_command(method, epochs, run_dir, rank, link, port)
+            cmd = node_command(method, epochs, run_dir, rank, link, port, seed)
             procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
     codes = [proc.wait() for proc in procs]
     if codes != [0, 0]:
@@ -96,18 +100,21 @@ def train_nodes(method: str, epochs: int, run_dir: Path, link: WeakLink | None) 
 
 
 def summarise(method: str, run_dir: Path, wall_s: float) -> dict[str, Any]:
-    """Per-step time and bytes after the warm-up, and the final accuracy, from the run's metrics."""
+    """Per-step time and bytes after the first epoch (the default warm-up), and the final accuracy, from the run's
+    metrics."""
     lines = [json.loads(x) for x in (run_dir / "train" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in lines if "step" in r and r["step"] > WARMUP]
+    all_steps = [r for r in lines if "step" in r and "loss" in r]
+    steps = [r for r in all_steps if r["epoch"] > 0]
     seconds = [r["batch"] / r["samples_per_s"] for r in steps]
     return {
         "method": method,
-        "steps": len(steps) + WARMUP,
+        "steps": len(all_steps),
         "s_per_step": statistics.fmean(seconds),
         "median_s_per_step": statistics.median(seconds),
         "bytes_per_step": statistics.fmean(r["comm_bytes"] for r in steps),
         "val_accuracy": [r["val_accuracy"] for r in lines if "val_accuracy" in r][-1],
         "wall_s": wall_s,
+        "ran": dict(Counter(r["compression"] for r in steps)),  # auto's choices; the method itself otherwise
     }
 
 
@@ -142,12 +149,12 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def run(methods: list[str], epochs: int, link: WeakLink | None, tmp: Path) -> list[dict[str, Any]]:
+def run(methods: list[str], epochs: int, link: WeakLink | None, tmp: Path, seed: int) -> list[dict[str, Any]]:
     """Train every method in turn and summarise it; progress on stderr."""
     rows = []
     for method in methods:
         print(f"[{time.strftime('%H:%M:%S')}] {method} ...", file=sys.stderr, flush=True)
-        wall = train_nodes(method, epochs, tmp / method, link)
+        wall = train_nodes(method, epochs, tmp / method, link, seed)
         rows.append(summarise(method, tmp / method, wall))
         print(f"  {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
     base = next(r for r in rows if r["method"] == "none")
@@ -162,6 +169,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--link", choices=("weak", "loopback"), default="weak")
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0, help="run.seed: initial weights, data order, validation split")
     parser.add_argument("--rate", default="100mbit")
     parser.add_argument("--delay-ms", type=float, default=20.0)
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated (auto too); must include none")
@@ -174,13 +182,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if args.link == "weak":
             with WeakLink(args.rate, args.delay_ms) as link:
-                rows = run(methods, args.epochs, link, Path(tmp))
+                rows = run(methods, args.epochs, link, Path(tmp), args.seed)
         else:
-            rows = run(methods, args.epochs, None, Path(tmp))
+            rows = run(methods, args.epochs, None, Path(tmp), args.seed)
     link_desc = f"{args.rate}, {args.delay_ms:g} ms each way" if args.link == "weak" else "loopback, unshaped"
-    suffix = "" if args.link == "weak" else "_loopback"
+    suffix = ("" if args.link == "weak" else "_loopback") + (f"_seed{args.seed}" if args.seed else "")
     meta = {"model": "resnet18", "data": "digits @32px", "nodes": 2, "ranks_per_node": 1, "epochs": args.epochs}
+    meta["seed"] = args.seed
     meta |= {"link": link_desc, "train": TRAIN, "cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0]}
+    meta |= cpu_facts()
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"train_compression{suffix}.json").write_text(json.dumps({**meta, "methods": rows}, indent=2) + "\n")
     plot(rows, f"resnet18, 2 nodes, {link_desc}", RESULTS / f"train_compression{suffix}.png")
