@@ -220,7 +220,7 @@ def payload_bytes(method: str, params: list[torch.Tensor], knobs: Knobs) -> int:
     if method == "topk":
         return 8 * compression.topk_size(numel, knobs.topk_fraction)
     if method == "sign":
-        return compression.sign_size([p.numel() for p in params])
+        return compression.sign_size(params)
     raise ValueError(f"no payload model for {method}")
 
 

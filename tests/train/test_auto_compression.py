@@ -108,7 +108,7 @@ def test_payload_model_matches_what_the_hooks_count() -> None:
     assert auto_compression.payload_bytes("none", params, knobs) == 4 * numel
     assert auto_compression.payload_bytes("topk", params, knobs) == 8 * compression.topk_size(numel, 0.1)
     # The same sizes tests/train/test_compression.py checks against every hook's counted bytes.
-    assert auto_compression.payload_bytes("sign", params, knobs) == compression.sign_size([p.numel() for p in params])
+    assert auto_compression.payload_bytes("sign", params, knobs) == compression.sign_size(params)
 
 
 def test_encoding_costs_are_measured_for_every_candidate() -> None:
