@@ -1,6 +1,7 @@
 """s/step, bytes/step and final accuracy of every gradient-compression method, for resnet18 across a weak link.
 
-    python benchmarks/train_compression.py [--link weak|loopback] [--epochs 3] [--seed 0] [--methods none,fp16,...]
+    python benchmarks/train_compression.py [--link weak|loopback] [--epochs 3] [--seed 0] [--methods none,...]
+                                           [--suffix _name]
 
 Every `train.compression` value, `auto` included, trains resnet18 on the built-in digits (32 px, global batch 32, lr
 3e-3, 3 epochs, seed 0; every compression knob at its default, so the first epoch is the warm-up) as one 2-node job of
@@ -9,7 +10,8 @@ network namespaces joined by a veth limited to 100 Mbit/s with 20 ms added each 
 loopback` runs both nodes on 127.0.0.1, unshaped. Per method: the mean wall time of the steps after the first epoch
 (local SGD's periodic averaging steps included), the mean `comm_bytes` of those steps, and the final validation
 accuracy; the speed-up is against `none` of the same run. Writes benchmarks/results/train_compression[_loopback].json
-and .png (`_seedN` added for a seed other than 0: `run.seed` also draws the validation split), and prints a table.
+and .png (`_seedN` added for a seed other than 0: `run.seed` also draws the validation split; then `--suffix`), and
+prints a table.
 """
 
 from __future__ import annotations
@@ -173,6 +175,7 @@ def main() -> None:
     parser.add_argument("--rate", default="100mbit")
     parser.add_argument("--delay-ms", type=float, default=20.0)
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated (auto too); must include none")
+    parser.add_argument("--suffix", default="", help="appended to the result files' names")
     args = parser.parse_args()
     methods = args.methods.split(",")
     if "none" not in methods:
@@ -186,7 +189,7 @@ def main() -> None:
         else:
             rows = run(methods, args.epochs, None, Path(tmp), args.seed)
     link_desc = f"{args.rate}, {args.delay_ms:g} ms each way" if args.link == "weak" else "loopback, unshaped"
-    suffix = ("" if args.link == "weak" else "_loopback") + (f"_seed{args.seed}" if args.seed else "")
+    suffix = ("" if args.link == "weak" else "_loopback") + (f"_seed{args.seed}" if args.seed else "") + args.suffix
     meta = {"model": "resnet18", "data": "digits @32px", "nodes": 2, "ranks_per_node": 1, "epochs": args.epochs}
     meta["seed"] = args.seed
     meta |= {"link": link_desc, "train": TRAIN, "cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0]}
