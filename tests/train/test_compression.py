@@ -194,9 +194,9 @@ def test_powersgd_numel_matches_the_analytic_count() -> None:
 def test_powersgd_is_refused_where_no_matrix_shrinks() -> None:
     cfg = validate({"train": {"compression": "powersgd", "compression_warmup_steps": 2}}, "test").train
     tiny = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-    with pytest.raises(PipelineError, match=r"^train.compression 'powersgd': no weight matrix .* rank 4"):
+    with pytest.raises(PipelineError, match=r"^train.compression 'powersgd': no weight matrix .* rank 8"):
         compression.resolve(cfg, tiny)
-    assert compression.resolve(cfg, models.build_model("small_cnn", 10, 1)).powersgd_rank == 4
+    assert compression.resolve(cfg, models.build_model("small_cnn", 10, 1)).powersgd_rank == 8
 
 
 def test_sign_packing_round_trips_and_is_one_bit_per_entry() -> None:
