@@ -142,7 +142,8 @@ class TrainConfig(Section):
     FSDP: only `none`, or `fp16`/`bf16` for a low-precision reduce-scatter."""
     compression_warmup_epochs: float = Field(1.0, ge=0.0)
     """Epochs of plain all-reduce before `powersgd`, `topk`, `sign`, `localsgd` or `auto` start: compressing the
-    large gradients of the first steps cost 1.5-7.5 points on the digits with a 10-step warm-up."""
+    large gradients of the first steps cost 1.5-7.5 points on the digits with a 10-step warm-up. Counted from the
+    run's first step: a resumed run goes on compressing (PowerSGD after 2 plain steps, to rebuild its buckets)."""
     compression_warmup_steps: int | None = Field(None, ge=0)
     """Warm-up in optimizer steps instead of `compression_warmup_epochs` (`powersgd` needs >= 2); unset: epochs."""
     powersgd_rank: int = Field(8, ge=1)

@@ -65,12 +65,14 @@ class Knobs:
     localsgd_int8: bool = False
 
 
-def warmup_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
-    """Steps of plain all-reduce: `compression_warmup_steps` if set, else `compression_warmup_epochs` of steps
-    (at least 2 for PowerSGD's error feedback, which needs DDP's buckets rebuilt after the first step)."""
-    if cfg.compression_warmup_steps is not None:
-        return cfg.compression_warmup_steps
-    steps = round(cfg.compression_warmup_epochs * steps_per_epoch)
+def warmup_steps(cfg: TrainConfig, steps_per_epoch: int, done: int = 0) -> int:
+    """Steps of plain all-reduce still due after `done` optimizer steps (a resumed run's): `compression_warmup_steps`
+    if set, else `compression_warmup_epochs` of steps. At least 2 for PowerSGD, also on resuming: its error feedback
+    needs DDP's buckets rebuilt after the first step of the process, and starts again from zero."""
+    steps = cfg.compression_warmup_steps
+    if steps is None:
+        steps = round(cfg.compression_warmup_epochs * steps_per_epoch)
+    steps = max(steps - done, 0)
     return max(steps, 2) if cfg.compression in ("powersgd", "auto") else steps
 
 

@@ -152,8 +152,11 @@ class Trainer:
         self.strategy, reason = strategy.choose(net, torch.zeros(1, *self.input_shape), batch, cfg.train, rt)
         if rt.is_main:
             print(f"strategy: {self.strategy} ({reason})", file=sys.stderr)
-        # The compression warm-up counts in epochs: the hooks need it in steps.
-        warmup = compression.warmup_steps(cfg.train, len(self.train_loader))
+        self.ckpt_root = run_dir / layout.CHECKPOINTS
+        self.resume_from = checkpoint.resumable(self.ckpt_root, cfg)
+        # The hooks count the warm-up in steps from here: a resumed run has done part or all of it already.
+        done = checkpoint.read_meta(self.resume_from)["step"] if self.resume_from else 0
+        warmup = compression.warmup_steps(cfg.train, len(self.train_loader), done)
         hooked = cfg.train.model_copy(update={"compression_warmup_steps": warmup})
         self.model, self.comm = strategy.wrap(net, hooked, rt, self.strategy)
         self.comm.name = self.comm.name or cfg.train.compression
@@ -172,7 +175,6 @@ class Trainer:
         self.frozen_steps = cfg.model.freeze_epochs * self.steps_per_epoch
         self.bn_images = 0
         self.modes: batchnorm.ModeCheck | None = None
-        self.ckpt_root = run_dir / layout.CHECKPOINTS
         self.checkpointer = checkpoint.Checkpointer(
             self.ckpt_root, cfg.train.keep_checkpoints, checkpoint.background(cfg.train.checkpoint_async, rt.device)
         )
@@ -192,7 +194,7 @@ class Trainer:
 
     def resume(self) -> tuple[int, int, int]:
         """(epoch to run, global step so far, batches of that epoch already done): from `latest` if there is one."""
-        found = checkpoint.resumable(self.ckpt_root, self.cfg)
+        found = self.resume_from
         if found is None:
             return 0, 0, 0
         meta = checkpoint.load(found, self.model, self.optim)

@@ -184,6 +184,35 @@ def test_default_knobs_scale_with_the_model() -> None:
     assert compression.warmup_steps(cfg.model_copy(update={"compression_warmup_steps": 5}), 23) == 5
     powersgd = validate({"train": {"compression": "powersgd", "compression_warmup_epochs": 0}}, "test").train
     assert compression.warmup_steps(powersgd, 23) == 2  # PowerSGD's error feedback needs 2
+    assert compression.warmup_steps(cfg, 23, done=10) == 13  # resumed part-way through the warm-up
+    assert compression.warmup_steps(cfg, 23, done=40) == 0
+    assert compression.warmup_steps(powersgd, 23, done=40) == 2  # again after each start of the process
+
+
+def train_then_resume(root: Path) -> None:
+    """On each rank: one epoch of `sign` and of `powersgd` (the default one-epoch warm-up: all plain all-reduce),
+    then the same run resumed for a second epoch."""
+    rt = runtime.init(validate({}, "test").train)
+    try:
+        for method in ("sign", "powersgd"):
+            for epochs in (1, 2):
+                Trainer(method_config(method, epochs, 128), root / method, rt).fit()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_resumed_run_does_not_warm_up_again(tmp_path: Path) -> None:
+    """The warm-up is counted from the run's first step, not the process's: resuming after it compresses at once
+    (PowerSGD after the 2 plain steps its error feedback needs)."""
+    run_ranks(train_then_resume, tmp_path)
+    full = 4 * sum(p.numel() for p in _params())
+    for method, plain in (("sign", 0), ("powersgd", 2)):
+        lines = [json.loads(x) for x in (tmp_path / method / layout.METRICS).read_text().splitlines()]
+        sent = [r["comm_bytes"] for r in lines if "step" in r]
+        assert len(sent) == 24, method
+        assert sent[:12] == [full] * 12, method  # the first epoch is the warm-up
+        assert sent[12 : 12 + plain] == [full] * plain, method
+        assert max(sent[12 + plain :]) < full / 4, method
 
 
 def test_powersgd_numel_matches_the_analytic_count() -> None:
