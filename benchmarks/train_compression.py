@@ -3,8 +3,9 @@
     python benchmarks/train_compression.py [--link weak|loopback] [--epochs 3] [--seed 0] [--methods none,...]
                                            [--suffix _name]
 
-Every `train.compression` value, `auto` included, trains resnet18 on the built-in digits (32 px, global batch 32, lr
-3e-3, 3 epochs, seed 0; every compression knob at its default, so the first epoch is the warm-up) as one 2-node job of
+Every `train.compression` value, `auto` included, and `localsgd_int8` (`localsgd` with `train.localsgd_int8`)
+trains resnet18 on the built-in digits (32 px, global batch 32, lr 3e-3, 3 epochs, seed 0; every other compression
+knob at its default, so the first epoch is the warm-up) as one 2-node job of
 `pipeline train --nnodes 2`, one rank per node. `--link weak` (the default, root only) puts node 0 and node 1 in two
 network namespaces joined by a veth limited to 100 Mbit/s with 20 ms added each way (benchmarks/weaklink.py); `--link
 loopback` runs both nodes on 127.0.0.1, unshaped. Per method: the mean wall time of the steps after the first epoch
@@ -35,7 +36,9 @@ from benchmarks.weaklink import WeakLink, unavailable  # noqa: E402
 from pipeline.config import CompressionMethod  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-METHODS = get_args(CompressionMethod)
+VARIANTS = {"localsgd_int8": ("localsgd", {"train.localsgd_int8": True})}
+"""Rows that are one `train.compression` with a knob set: name -> (method, settings)."""
+METHODS = (*get_args(CompressionMethod), *VARIANTS)
 PORT = 29400
 TRAIN = {"batch_size": 32, "lr": 3e-3, "precision": "fp32", "pg_timeout_s": 600}
 """The job's settings; every compression knob (warm-up, rank, fraction, period, auto's) stays at its default."""
@@ -62,7 +65,8 @@ def overrides(method: str, epochs: int, interface: str | None, seed: int = 0) ->
     """`--set` arguments of one method's config: the same for every method but `train.compression`."""
     settings: dict[str, Any] = {"model.name": "resnet18", "data.image_size": 32, "train.epochs": epochs}
     settings["run.seed"] = seed
-    settings |= {f"train.{k}": v for k, v in TRAIN.items()} | {"train.compression": method}
+    compression, knobs = VARIANTS.get(method, (method, {}))
+    settings |= {f"train.{k}": v for k, v in TRAIN.items()} | {"train.compression": compression} | knobs
     if interface is not None:  # the one interface each namespace has: gloo must not guess from the hostname
         settings["train.env"] = {"GLOO_SOCKET_IFNAME": interface}
     return [arg for key, value in settings.items() for arg in ("--set", f"{key}={toml_value(value)}")]
