@@ -1,5 +1,15 @@
-"""``python -m pipeline`` is the same as the ``pipeline`` console script."""
+"""``python -m pipeline`` and the ``pipeline`` console script: library warnings routed, then the CLI."""
 
-from pipeline.cli import main
+from pipeline.library_warnings import route_library_warnings
 
-main()
+
+def main() -> None:
+    """Route library warnings to the debug log before the CLI imports the libraries that warn at import time."""
+    route_library_warnings()
+    from pipeline.cli import main as cli_main
+
+    cli_main()
+
+
+if __name__ == "__main__":
+    main()

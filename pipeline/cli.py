@@ -17,6 +17,7 @@ from rich.console import Console
 from pipeline import report
 from pipeline.config import Config
 from pipeline.errors import PipelineError
+from pipeline.library_warnings import show_debug_log
 from pipeline.manifest import RunDir
 from pipeline.stages import STAGES, existing_run, open_run, run_one, run_pipeline
 from pipeline.tables import Col, print_rows
@@ -61,8 +62,13 @@ def options(
         bool,
         typer.Option("--version", callback=_version, is_eager=True, help="Print version and source revision, exit."),
     ] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="Also print the debug log: warnings from the libraries underneath.")
+    ] = False,
 ) -> None:
     """Options of `pipeline` itself, before any command (its help text is the app's)."""
+    if verbose:
+        show_debug_log()
 
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML config (default: quickstart).")]
@@ -414,7 +420,7 @@ def runs_show(
 
 
 def main() -> None:
-    """Console-script entry point: user errors become one line on stderr and exit code 2."""
+    """Run the app: user errors become one line on stderr and exit code 2 (entry point: pipeline/__main__.py)."""
     try:
         app()
     except PipelineError as err:

@@ -13,7 +13,8 @@ from pipeline.manifest import create_run_dir
 
 
 def pipeline(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "COLUMNS": "200"}  # wide enough that rich tables are not cut
+    # Wide enough that rich tables are not cut; every warning enabled, which must not add a line to any error.
+    env = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "default"}
     return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, capture_output=True, text=True, env=env)
 
 
@@ -104,7 +105,7 @@ READ_ONLY = 'mount --bind "$1" "$1" && mount -o remount,ro,bind "$1" && shift &&
 def test_read_only_run_directory_is_one_line(tmp_path: Path, existing_run: Path, command: list[str]):
     """The run directory on a read-only mount (in a mount namespace of its own): one line naming it, exit 2."""
     before = _snapshot(existing_run)
-    env = {**os.environ, "COLUMNS": "200"}
+    env = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "default"}
     cmd = [sys.executable, "-m", "pipeline", *command, "--run-dir", str(existing_run)]
     wrapped = ["unshare", "--mount", "sh", "-c", READ_ONLY, "sh", str(existing_run), *cmd]
     proc = subprocess.run(wrapped, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)

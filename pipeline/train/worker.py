@@ -28,6 +28,7 @@ from pipeline import data, layout, modelfile
 from pipeline.config import Config
 from pipeline.errors import PipelineError
 from pipeline.files import write_json
+from pipeline.library_warnings import route_library_warnings
 from pipeline.manifest import RunDir
 from pipeline.train import batchnorm, checkpoint, compression, finetune, plan, runtime, stepping, strategy, thermal
 from pipeline.train.metrics import MetricsLog
@@ -434,6 +435,7 @@ def train(run_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point for torchrun; a user-fixable problem prints one `error:` line and exits with code 2."""
+    route_library_warnings()
     parser = argparse.ArgumentParser(prog="python -m pipeline.train.worker", description=__doc__)
     parser.add_argument("--run-dir", type=Path, required=True, help="run directory holding config.json")
     args = parser.parse_args(argv)

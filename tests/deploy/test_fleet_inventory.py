@@ -108,7 +108,7 @@ def test_cli_prints_one_line_and_exits_2_for_a_bad_inventory(tmp_path: Path):
         capture_output=True,
         text=True,
         cwd=REPO,
-        env={"HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"},
+        env={"HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin", "PYTHONWARNINGS": "default"},
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [f"error: {path}: targets: duplicate name 'a'"]
