@@ -1,9 +1,14 @@
 # Two commands for a fresh machine: `make demo` runs the whole pipeline on the embedded default,
-# `make test` runs the test suite. Both create .venv and install what is missing.
+# `make test` runs the test suite. Both create .venv and install what is missing, from requirements.lock: every
+# package at an exact version with its sha256, so a new upstream release changes nothing until `make lock-upgrade`
+# moves the lock (docs/install.md). `make test-latest` tries the newest releases pyproject's ranges allow.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
+LOCK   := requirements.lock
+STAMP  := $(VENV)/.installed-$(shell sha256sum $(LOCK) | cut -c1-12)
+# The lock's own command line: universal (any OS and CPU, Python 3.11 on), hashes for every file.
+COMPILE = $(BIN)/uv pip compile --quiet --universal --generate-hashes --custom-compile-command "make lock"
 # Debian packages the stand-in Jetson tests need (real sshd per device, namespaces; BusyBox, whose bare sh and
 # applets show the device-side script asks for nothing beyond POSIX); they skip, saying so, without.
 JETSON_PKGS := openssh-server openssh-client util-linux iproute2 procps busybox
@@ -20,12 +25,19 @@ SYSTEM_PKGS := $(JETSON_PKGS) $(BROWSER_PKGS) $(PHOTO_PKGS) $(TRACE_PKGS)
 OLDEST := .venv-oldest
 PY310  ?= $(firstword $(wildcard /root/.pyenv/versions/3.10.*/bin/python3.10) $(shell command -v python3.10))
 
-.PHONY: demo test test-all test-oldest lint system-deps clean
+.PHONY: demo test test-all test-oldest test-latest lint lock lock-upgrade fresh-check system-deps clean
 
-$(STAMP): pyproject.toml
+# uv comes from the lock too: pip installs its one hashed entry (awk cuts it out), then uv installs the rest.
+$(BIN)/uv:
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	awk '/^uv==/ {keep = 1; print; next} /^[^ ]/ {keep = 0} keep' $(LOCK) \
+	    | $(BIN)/python -m pip install --quiet --require-hashes --no-deps -r /dev/stdin
+
+# sync: exactly the lock, nothing else (and uninstalls what the lock dropped); the project itself goes in editable,
+# built by the lock's setuptools.
+$(STAMP): $(LOCK) | $(BIN)/uv
+	$(BIN)/uv pip sync --quiet --python $(BIN)/python --require-hashes $(LOCK)
+	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps --no-build-isolation -e .
 	@rm -f $(VENV)/.installed-* && touch $@
 
 demo: $(STAMP)
@@ -46,11 +58,35 @@ test-all: $(STAMP) system-deps $(OLDEST)/.installed
 test-oldest: $(STAMP) system-deps $(OLDEST)/.installed
 	$(BIN)/pytest tests/train/test_oldest_torch.py
 
-$(OLDEST)/.installed: tests/requirements-oldest.txt
+$(OLDEST)/.installed: tests/requirements-oldest.lock | $(BIN)/uv
 	@test -n "$(PY310)" || { echo "make: no Python 3.10 found for $(OLDEST); set PY310=/path/to/python3.10" >&2; exit 2; }
 	rm -rf $(OLDEST) && $(PY310) -m venv $(OLDEST)
-	$(OLDEST)/bin/python -m pip install --quiet -r $<
+	$(BIN)/uv pip sync --quiet --python $(OLDEST)/bin/python --require-hashes $<
 	@touch $@
+
+# Refresh the locks after editing pyproject.toml or tests/requirements-oldest.txt: versions already locked stay.
+lock: | $(BIN)/uv
+	$(COMPILE) --python-version 3.11 --extra dev pyproject.toml -o $(LOCK)
+	$(COMPILE) --python-version 3.10 tests/requirements-oldest.txt -o tests/requirements-oldest.lock
+
+# Move the application lock to the newest releases pyproject allows (after `make test-latest` passes).
+lock-upgrade: | $(BIN)/uv
+	$(COMPILE) --python-version 3.11 --extra dev pyproject.toml -o $(LOCK) --upgrade
+
+# The quick suite against the newest releases pyproject allows, in .venv-latest; first, what differs from the lock.
+LATEST := .venv-latest
+test-latest: system-deps | $(BIN)/uv
+	@test -x $(LATEST)/bin/python || $(PYTHON) -m venv $(LATEST)
+	$(COMPILE) --python-version 3.11 --extra dev pyproject.toml --upgrade -o $(LATEST)/requirements.txt
+	$(BIN)/python .ci/lockdiff.py $(LOCK) $(LATEST)/requirements.txt
+	$(BIN)/uv pip sync --quiet --python $(LATEST)/bin/python --require-hashes $(LATEST)/requirements.txt
+	$(BIN)/uv pip install --quiet --python $(LATEST)/bin/python --no-deps --no-build-isolation -e .
+	$(LATEST)/bin/ruff check .
+	$(LATEST)/bin/pytest -m "not slow"
+
+# The README's two commands in a fresh clone of HEAD, as a new user runs them: empty HOME, no pip or uv cache.
+fresh-check:
+	bash .ci/fresh-check
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-imports
