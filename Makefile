@@ -29,6 +29,7 @@ PY310  ?= $(firstword $(wildcard /root/.pyenv/versions/3.10.*/bin/python3.10) $(
 
 # uv comes from the lock too: pip installs its one hashed entry (awk cuts it out), then uv installs the rest.
 $(BIN)/uv:
+	@$(PYTHON) -c 'import ensurepip' 2>/dev/null || $(MAKE) --no-print-directory system-deps SYSTEM_PKGS=python3-venv
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	awk '/^uv==/ {keep = 1; print; next} /^[^ ]/ {keep = 0} keep' $(LOCK) \
 	    | $(BIN)/python -m pip install --quiet --require-hashes --no-deps -r /dev/stdin
