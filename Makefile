@@ -7,6 +7,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 LOCK   := requirements.lock
 STAMP  := $(VENV)/.installed-$(shell sha256sum $(LOCK) | cut -c1-12)
+# uv trusts the system's certificate store, as pip does: behind a proxy that re-signs TLS (companies, CI) the
+# proxy's CA is there, and uv's built-in roots would refuse PyPI.
+export UV_SYSTEM_CERTS := 1
 # The lock's own command line: universal (any OS and CPU, Python 3.11 on), hashes for every file.
 COMPILE = $(BIN)/uv pip compile --quiet --universal --generate-hashes --custom-compile-command "make lock"
 # Debian packages the stand-in Jetson tests need (real sshd per device, namespaces; BusyBox, whose bare sh and
