@@ -8,6 +8,7 @@ the metadata goes through an unpickler that resolves only DCP's own record types
 
 from __future__ import annotations
 
+import enum
 import io
 import pickle
 import warnings
@@ -37,11 +38,24 @@ _SAFE_GLOBALS = {
 _SAFE_MODULES = {module for module, _ in _SAFE_GLOBALS} | {_RECORDS}
 
 
+def _enum_member(cls: object, name: str) -> enum.Enum:
+    """`getattr` as Python 3.11.0-3.11.3 pickle an enum member (by name), allowed for nothing but enum members.
+
+    Debian 12's python3 is 3.11.2: its DCP metadata holds `builtins.getattr(_MEM_FORMAT_ENCODING, "TORCH_...")`
+    where later Pythons write the member's value (docs/torch-distributed.md#enum-pickles-by-python-version).
+    """
+    if isinstance(cls, enum.EnumMeta) and isinstance(name, str) and name in cls.__members__:
+        return cls.__members__[name]
+    raise pickle.UnpicklingError(f"refusing to load getattr({cls!r}, {name!r})")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Resolves only the plain record types a DCP `.metadata` file is made of."""
 
     def find_class(self, module: str, name: str) -> Any:
         """Return an allowed global; refuse everything else without importing it."""
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         if module in _SAFE_MODULES:
             found = super().find_class(module, name)
             record = module == _RECORDS and isinstance(found, type) and found.__module__ == module

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import os
 import pickle
 import subprocess
@@ -76,3 +77,39 @@ def test_resume_refuses_planted_metadata_before_any_rank_starts(tmp_path: Path) 
     assert len(lines) == 1 and "refusing to load" in lines[0] and ".metadata" in lines[0], proc.stderr
     assert not marker.exists()
     assert not (run.path / "train/metrics.jsonl").exists()  # no rank started
+
+
+class _ByNamePickler(pickle.Pickler):
+    """Pickles enum members by name, `getattr(cls, name)`, as Python 3.11.0-3.11.3 do (Debian 12's python3)."""
+
+    def __init__(self, fh: object, target: object = None) -> None:
+        super().__init__(fh)
+        self.target = target  # when set, every enum member becomes getattr(target, its name) instead
+
+    def reducer_override(self, obj: object) -> object:
+        if isinstance(obj, enum.Enum):
+            return getattr, (self.target or type(obj), obj.name)
+        return NotImplemented
+
+
+def _rewrite_metadata(step_dir: Path, target: object = None) -> None:
+    path = step_dir / safe_dcp.METADATA
+    metadata = pickle.loads(path.read_bytes())
+    with path.open("wb") as fh:
+        _ByNamePickler(fh, target).dump(metadata)
+
+
+def test_metadata_pickled_by_python_3_11_2_loads(tmp_path: Path) -> None:
+    _save(tmp_path / "step-1", "adamw")
+    _rewrite_metadata(tmp_path / "step-1")
+    assert b"getattr" in (tmp_path / "step-1" / safe_dcp.METADATA).read_bytes()
+    into = {"model": {"w": torch.zeros(4)}, "optim": {"lr": 0.0, "extra": None}}
+    safe_dcp.load(into, tmp_path / "step-1", no_dist=True)
+    assert torch.equal(into["model"]["w"], torch.arange(4.0))
+
+
+def test_getattr_in_metadata_reaches_enum_members_only(tmp_path: Path) -> None:
+    _save(tmp_path / "step-1", "adamw")
+    _rewrite_metadata(tmp_path / "step-1", target=safe_dcp.Metadata)  # getattr(Metadata, "TORCH_...")
+    with pytest.raises(PipelineError, match=r"corrupt checkpoint metadata: refusing to load getattr\("):
+        safe_dcp.read_metadata(tmp_path / "step-1")
