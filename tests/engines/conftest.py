@@ -111,6 +111,7 @@ if {mode!r} == "fail":
     print("&&&& FAILED TensorRT.trtexec [TensorRT v{packed}] # trtexec")
     sys.exit(1)
 if {mode!r} == "hang":
+    sys.stdout.flush()  # what real trtexec printed before it hung is in its log (it writes through std::endl)
     child = subprocess.Popen(["sleep", "60"])
     with open({calls!r} + ".child", "w") as fh:
         fh.write(str(child.pid))
