@@ -1,4 +1,4 @@
-"""The device side of training: the files a device imports to run `pipeline.train.worker`, for `vermin` in `make test`.
+"""The device side of training: the files a device imports to run `pipeline.train.rank.worker`, for `vermin`.
 
 Found from the static import graph (grimp, which import-linter uses), so an import added to any of them is checked
 too: these files must run on the oldest device Python (3.10, JetPack 6).
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import grimp
 
-ENTRY = "pipeline.train.worker"
-CONTROLLER_ONLY = {"pipeline.train.rounds"}
+ENTRY = "pipeline.train.rank.worker"
+CONTROLLER_ONLY = {"pipeline.train.cluster.rounds"}
 """Imported only inside the train stage's controller path (`pipeline/train/__init__.py`, for cluster training),
 which a device never runs: the graph cannot tell a function's import from the module's, so it is cut here."""
 

@@ -14,9 +14,11 @@ import torch.distributed as dist
 import models
 from pipeline import layout
 from pipeline.config import validate
-from pipeline.train import auto_compression, compression, runtime
-from pipeline.train.auto_compression import WINDOW, Cost, Decision, LinkSample, LinkWatch, Policy, predict
-from pipeline.train.worker import Trainer
+from pipeline.train import compression
+from pipeline.train.compression import auto_compression
+from pipeline.train.compression.auto_compression import WINDOW, Cost, Decision, LinkSample, LinkWatch, Policy, predict
+from pipeline.train.rank import runtime
+from pipeline.train.rank.worker import Trainer
 from tests.train.ranks import run_ranks
 
 # resnet18-like numbers: 45 MB of gradients, 0.25 s of compute; PowerSGD sends 0.6 MB, top-k 0.9 MB, sign 1.4 MB.

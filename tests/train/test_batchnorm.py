@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.train import batchnorm
+from pipeline.train.rank import batchnorm
 from tests.train.ranks import run_ranks
 
 CPU = torch.device("cpu")

@@ -15,7 +15,7 @@ import models
 from pipeline.config import validate
 from pipeline.errors import PipelineError
 from pipeline.files import write_json
-from pipeline.train import checkpoint, runtime
+from pipeline.train.rank import checkpoint, runtime
 from tests.train.ranks import run_ranks
 
 

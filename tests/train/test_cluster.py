@@ -74,7 +74,7 @@ def marked_processes(fleet: JetsonFleet) -> list[str]:
     for target in fleet:
         if target.running:
             out = target.run(
-                "ps -eo pid,args | grep -E 'torch.distributed.run|pipeline.train.worker' | grep -v grep; true"
+                "ps -eo pid,args | grep -E 'torch.distributed.run|pipeline.train.rank.worker' | grep -v grep; true"
             )
             found += [f"{target.name}: {line}" for line in out.stdout.splitlines() if line.strip()]
     return found

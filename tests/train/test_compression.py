@@ -19,8 +19,9 @@ import models
 from pipeline import layout
 from pipeline.config import FSDP_COMPRESSION, Config, TrainConfig, validate
 from pipeline.errors import PipelineError
-from pipeline.train import compression, runtime, strategy
-from pipeline.train.worker import Trainer
+from pipeline.train import compression
+from pipeline.train.rank import runtime, strategy
+from pipeline.train.rank.worker import Trainer
 from tests.train.ranks import run_ranks
 
 METHODS = tuple(m for m in typing.get_args(TrainConfig.model_fields["compression"].annotation) if m != "auto")

@@ -19,8 +19,8 @@ from pipeline import layout, train
 from pipeline.config import Config, validate
 from pipeline.files import read_json
 from pipeline.manifest import create_run_dir
-from pipeline.train import checkpoint, runtime
-from pipeline.train.worker import Trainer
+from pipeline.train.rank import checkpoint, runtime
+from pipeline.train.rank.worker import Trainer
 from tests.train.ranks import run_ranks
 from tests.train.test_stage import rank_processes, small_config
 

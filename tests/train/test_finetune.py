@@ -16,7 +16,7 @@ from pipeline.config import validate
 from pipeline.errors import PipelineError
 from pipeline.files import read_json, write_json
 from pipeline.manifest import create_run_dir
-from pipeline.train.finetune import frozen_names, scheduled_lr
+from pipeline.train.rank.finetune import frozen_names, scheduled_lr
 
 
 def saved(model: torch.nn.Module, path: Path) -> Path:

@@ -14,7 +14,8 @@ from pipeline.config import validate
 from pipeline.errors import PipelineError
 from pipeline.files import write_json
 from pipeline.manifest import create_run_dir
-from pipeline.train import checkpoint, launcher
+from pipeline.train.launch import launcher
+from pipeline.train.rank import checkpoint
 
 
 def test_command_runs_the_worker_module_under_torchrun() -> None:
@@ -28,7 +29,7 @@ def test_command_runs_the_worker_module_under_torchrun() -> None:
     assert pairs["--rdzv-backend"] == "c10d"
     assert pairs["--rdzv-endpoint"] == "10.0.0.1:29500"
     assert pairs["--max-restarts"] == "3"
-    assert cmd[-4:] == ["-m", "pipeline.train.worker", "--run-dir", "/runs/r1"]
+    assert cmd[-4:] == ["-m", "pipeline.train.rank.worker", "--run-dir", "/runs/r1"]
     assert "--local-addr" not in cmd  # torchrun then looks the address up from the hostname
     with_addr = launcher.command(Path("/runs/r1"), 1, 2, 1, "10.0.0.1:29500", local_addr="10.0.0.2")
     assert with_addr[with_addr.index("--local-addr") + 1] == "10.0.0.2"

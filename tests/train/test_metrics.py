@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.train.metrics import MetricsLog
+from pipeline.train.rank.metrics import MetricsLog
 
 
 def _existing(path: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 from pipeline.config import TrainConfig
 from pipeline.layout import METRICS
 from pipeline.manifest import RunDir
-from pipeline.train.plan import plan, steps_per_epoch
+from pipeline.train.rank.plan import plan, steps_per_epoch
 
 
 def test_the_digits_keep_the_quickstart_settings() -> None:

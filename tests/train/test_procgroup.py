@@ -6,7 +6,7 @@ import os
 import time
 from pathlib import Path
 
-from pipeline.train import procgroup
+from pipeline.train.launch import procgroup
 
 
 def _stat(pid: int) -> list[str]:

@@ -21,8 +21,8 @@ import models
 from pipeline import data, layout
 from pipeline.config import Config, validate
 from pipeline.files import read_json, write_json
-from pipeline.train import runtime, stepping, strategy
-from pipeline.train.worker import Trainer
+from pipeline.train.rank import runtime, stepping, strategy
+from pipeline.train.rank.worker import Trainer
 from tests.train.ranks import run_ranks
 
 CLIP = 0.5  # small enough to clip most steps: a per-shard norm would give other updates than the global one

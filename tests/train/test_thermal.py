@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.train import thermal
+from pipeline.train.rank import thermal
 
 
 def test_controller_halves_the_micro_batch_when_hot_and_restores_it_when_cool(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from pipeline.config import validate
 from pipeline.errors import PipelineError
 from pipeline.files import sha256_file
 from pipeline.train.compression import CommCounter
-from pipeline.train.worker import per_rank_batch
+from pipeline.train.rank.worker import per_rank_batch
 
 
 def test_per_rank_batch_splits_the_global_batch() -> None:

@@ -21,8 +21,8 @@ from pipeline.config import FSDP_COMPRESSION, TrainConfig
 from pipeline.errors import PipelineError
 from pipeline.train import compression
 from pipeline.train.compression import CommCounter, Compression
-from pipeline.train.fsdp2 import NEEDS_CUDA, FSDPModule, MixedPrecisionPolicy, fully_shard
-from pipeline.train.runtime import Runtime
+from pipeline.train.rank.fsdp2 import NEEDS_CUDA, FSDPModule, MixedPrecisionPolicy, fully_shard
+from pipeline.train.rank.runtime import Runtime
 
 ADAM_STATES = 2
 """Optimizer tensors per parameter (AdamW: exp_avg, exp_avg_sq)."""

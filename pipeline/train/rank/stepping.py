@@ -14,8 +14,8 @@ from torch.amp import GradScaler
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.nn.parallel import DistributedDataParallel
 
-from pipeline.train.fsdp2 import FSDPModule
-from pipeline.train.runtime import Runtime
+from pipeline.train.rank.fsdp2 import FSDPModule
+from pipeline.train.rank.runtime import Runtime
 
 
 def make_scaler(rt: Runtime, model: nn.Module) -> GradScaler:

@@ -6,7 +6,7 @@ travel content-addressed, each named by its sha256, with `INDEX.json` (relative 
 the index's digest, so an unchanged folder is a bundle the device already holds whole and sends nothing, and a
 changed one sends only images no earlier version had. The device then rebuilds the folder tree from hard links
 (`<root>/train/data/sets/<id>`, renamed into place only when whole) and the ranks read it there
-(`PIPELINE_DATA_PATH`, :func:`pipeline.train.runtime.data_config`); the config keeps the controller's path, so the
+(`PIPELINE_DATA_PATH`, :func:`pipeline.train.rank.runtime.data_config`); the config keeps the controller's path, so the
 run's config, checkpoints and fingerprint are those of the data as the controller has it.
 
 Where it is (`data.sync = false`): each device reads `data.path` on its own disk. The controller asks every device

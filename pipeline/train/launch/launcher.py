@@ -1,6 +1,6 @@
 """Start this node's training ranks with torchrun, wait for them within the time limit, and leave none behind.
 
-A timeout, Ctrl-C or any error here stops torchrun and every rank (:mod:`pipeline.train.procgroup`): killing
+A timeout, Ctrl-C or any error here stops torchrun and every rank (:mod:`pipeline.train.launch.procgroup`): killing
 torchrun alone leaves its ranks orphaned (docs/prefect.md#task-timeouts-and-torchrun,
 docs/torch-distributed.md#workers-outlive-their-agent).
 """
@@ -20,7 +20,8 @@ from pipeline.config import Config, TrainConfig
 from pipeline.errors import PipelineError
 from pipeline.layout import CONFIG_SNAPSHOT
 from pipeline.manifest import RunDir
-from pipeline.train import checkpoint, finetune, procgroup, runtime
+from pipeline.train.launch import procgroup
+from pipeline.train.rank import checkpoint, finetune, runtime
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -39,7 +40,7 @@ def command(
     max_restarts: int = 0,
     local_addr: str | None = None,
 ) -> list[str]:
-    """The torchrun command line that starts this node's ranks of `pipeline.train.worker`."""
+    """The torchrun command line that starts this node's ranks of `pipeline.train.rank.worker`."""
     local = []
     if local_addr:
         # torchrun otherwise advertises the address its hostname resolves to, wrong on hosts with several
@@ -65,7 +66,7 @@ def command(
         str(max_restarts),
         *local,
         "-m",
-        "pipeline.train.worker",
+        "pipeline.train.rank.worker",
         "--run-dir",
         str(run_dir),
     ]

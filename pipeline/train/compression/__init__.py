@@ -548,7 +548,7 @@ def install(model: DistributedDataParallel, cfg: TrainConfig, group: dist.Proces
     knobs = resolve(cfg, model.module)
     if cfg.compression == "auto":
         # auto builds on this module's hooks: imported here, where both are loaded.
-        from pipeline.train import auto_compression
+        from pipeline.train.compression import auto_compression
 
         return auto_compression.install(model, cfg, knobs, group)
     counter = CommCounter()

@@ -13,7 +13,7 @@ last complete checkpoint, which the controller first sends to each of them; torc
 each rank from its own disk, which holds only that device's shards. A device that comes back is taken in at the
 next checkpoint. `summary.json` and `metrics.jsonl` record who left or joined, when, and the steps lost.
 
-The dataset is read on each device's own disk or sent there first (`data.sync`): :mod:`pipeline.train.nodedata`.
+The dataset is read on each device's own disk or sent there first (`data.sync`): :mod:`pipeline.train.cluster.nodedata`.
 """
 
 from __future__ import annotations

@@ -36,10 +36,19 @@ from pipeline.fleet import upload
 from pipeline.fleet.inventory import Inventory, SshTarget, load_inventory
 from pipeline.fleet.ssh import FAILURES, Device
 from pipeline.safe_dcp import read_metadata
-from pipeline.train import checkpoint, nodedata
-from pipeline.train.cluster import NodeCheck, bounds, check_all, check_one, code_bundle, python_path, refuse_unready
-from pipeline.train.launcher import free_port
-from pipeline.train.runtime import DATA_LOCAL_ENV, DATA_PATH_ENV
+from pipeline.train.cluster import (
+    NodeCheck,
+    bounds,
+    check_all,
+    check_one,
+    code_bundle,
+    nodedata,
+    python_path,
+    refuse_unready,
+)
+from pipeline.train.launch.launcher import free_port
+from pipeline.train.rank import checkpoint
+from pipeline.train.rank.runtime import DATA_LOCAL_ENV, DATA_PATH_ENV
 
 POLL_S = 2.0
 """Seconds between the controller's looks at the devices: a new checkpoint to copy, the last step, a device back."""
@@ -67,7 +76,7 @@ cd {shlex.quote(run_dir)} || exit 2
 set -- $SSH_CONNECTION
 ctl=$1 me={me}
 env {exports} PIPELINE_JOB=$tok {python} -m torch.distributed.run {args} --rdzv-endpoint "$ctl:$PORT" \\
-  --local-addr "$me" -m pipeline.train.worker --run-dir {shlex.quote(run_dir)} </dev/null 3<&- &
+  --local-addr "$me" -m pipeline.train.rank.worker --run-dir {shlex.quote(run_dir)} </dev/null 3<&- &
 agent=$!
 ( while read -r _; do :; done; stop ) <&3 >/dev/null 2>&1 &
 watcher=$!

@@ -1,4 +1,4 @@
-"""One training rank, started by torchrun: ``python -m pipeline.train.worker --run-dir DIR``.
+"""One training rank, started by torchrun: ``python -m pipeline.train.rank.worker --run-dir DIR``.
 
 Reads the run's config snapshot, trains with the configured strategy, validates and checkpoints at each epoch end,
 and resumes from ``train/checkpoints/latest`` when it exists. Rank 0 alone shows progress and writes metrics,
@@ -30,9 +30,10 @@ from pipeline.errors import PipelineError
 from pipeline.files import write_json
 from pipeline.library_warnings import route_library_warnings
 from pipeline.manifest import RunDir
-from pipeline.train import batchnorm, checkpoint, compression, finetune, plan, runtime, stepping, strategy, thermal
-from pipeline.train.metrics import MetricsLog
-from pipeline.train.runtime import Runtime
+from pipeline.train import compression
+from pipeline.train.rank import batchnorm, checkpoint, finetune, plan, runtime, stepping, strategy, thermal
+from pipeline.train.rank.metrics import MetricsLog
+from pipeline.train.rank.runtime import Runtime
 
 VAL_BATCH = 256
 SETTLE_S = 30.0
@@ -436,7 +437,7 @@ def train(run_dir: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point for torchrun; a user-fixable problem prints one `error:` line and exits with code 2."""
     route_library_warnings()
-    parser = argparse.ArgumentParser(prog="python -m pipeline.train.worker", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pipeline.train.rank.worker", description=__doc__)
     parser.add_argument("--run-dir", type=Path, required=True, help="run directory holding config.json")
     args = parser.parse_args(argv)
     try:

@@ -9,7 +9,7 @@ from torch import nn
 
 import models
 from pipeline.errors import PipelineError
-from pipeline.train.strategy import blocks
+from pipeline.train.rank.strategy import blocks
 
 Freeze = Literal["none", "backbone"] | int
 

@@ -20,7 +20,7 @@ DATA_PATH_ENV = "PIPELINE_DATA_PATH"
 
 def data_config(cfg: DataConfig) -> DataConfig:
     """`data` as this rank reads it: `data.path` is the controller's folder, but a device it was sent to reads its
-    own copy (pipeline.train.nodedata); the config itself stays the controller's, so checkpoints agree on it."""
+    own copy (pipeline.train.cluster.nodedata); the config itself stays the controller's, so checkpoints agree on it."""
     where = os.environ.get(DATA_PATH_ENV)
     return cfg.model_copy(update={"path": Path(where)}) if where else cfg
 
@@ -31,7 +31,8 @@ images among themselves instead of taking a global shard of images every device 
 
 
 def node_local_data() -> bool:
-    """True when this device's folder is its own (pipeline.train.nodedata), not a copy of one every device has."""
+    """True when this device's folder is its own (pipeline.train.cluster.nodedata), not a copy of one every device
+    has."""
     return os.environ.get(DATA_LOCAL_ENV) == "1"
 
 
