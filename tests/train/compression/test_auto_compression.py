@@ -109,7 +109,7 @@ def test_payload_model_matches_what_the_hooks_count() -> None:
     knobs = compression.Knobs(0, 4, compression.default_topk_fraction(numel), 8)
     assert auto_compression.payload_bytes("none", params, knobs) == 4 * numel
     assert auto_compression.payload_bytes("topk", params, knobs) == 8 * compression.topk_size(numel, 0.1)
-    # The same sizes tests/train/test_compression.py checks against every hook's counted bytes.
+    # The same sizes tests/train/compression/test_compression.py checks against every hook's counted bytes.
     assert auto_compression.payload_bytes("sign", params, knobs) == compression.sign_size(params)
 
 

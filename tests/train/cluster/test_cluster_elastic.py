@@ -16,7 +16,7 @@ import pytest
 
 from pipeline import layout
 from pipeline.files import read_json
-from tests.train.test_cluster import (
+from tests.train.cluster.test_cluster import (
     forwarding,
     inventory,
     jetson_fleet,

@@ -17,7 +17,14 @@ from pipeline import layout
 from pipeline.files import read_json
 from tests import photos
 from tests.harness import JetsonFleet
-from tests.train.test_cluster import forwarding, inventory, jetson_fleet, marked_processes, run_cli, start_cluster
+from tests.train.cluster.test_cluster import (
+    forwarding,
+    inventory,
+    jetson_fleet,
+    marked_processes,
+    run_cli,
+    start_cluster,
+)
 
 __all__ = ["forwarding", "jetson_fleet"]  # fixtures, used by name
 

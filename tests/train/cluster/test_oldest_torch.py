@@ -2,7 +2,7 @@
 a controller on this machine's newer Python and torch, and the controller consolidates and exports what they wrote.
 
 The devices' interpreter is `.venv-oldest` (tests/requirements-oldest.txt), which `make test-oldest` (run by
-`make test`) builds; everything else is tests/train/test_cluster.py's stand-in cluster.
+`make test`) builds; everything else is tests/train/cluster/test_cluster.py's stand-in cluster.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from pipeline import layout
 from pipeline.files import read_json
 from tests.harness import fixtures
-from tests.train.test_cluster import REPO, forwarding, inventory, marked_processes, run_cli, start_cluster
+from tests.train.cluster.test_cluster import REPO, forwarding, inventory, marked_processes, run_cli, start_cluster
 
 jetson_fleet = fixtures.jetson_fleet
 OLDEST = Path(os.environ.get("PIPELINE_OLDEST_PYTHON", REPO / ".venv-oldest/bin/python"))

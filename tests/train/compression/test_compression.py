@@ -25,7 +25,7 @@ from pipeline.train.rank.worker import Trainer
 from tests.train.ranks import run_ranks
 
 METHODS = tuple(m for m in typing.get_args(TrainConfig.model_fields["compression"].annotation) if m != "auto")
-"""The fixed methods (`auto` picks among them: tests/train/test_auto_compression.py)."""
+"""The fixed methods (`auto` picks among them: tests/train/compression/test_auto_compression.py)."""
 WARMUP, RANK, FRACTION, PERIOD = 3, 2, 0.01, 4
 KNOBS = {"compression_warmup_steps": WARMUP, "powersgd_rank": RANK, "topk_fraction": FRACTION}
 KNOBS["localsgd_period"] = PERIOD

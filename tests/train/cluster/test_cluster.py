@@ -29,7 +29,7 @@ from tests.harness import JetsonFleet, TargetSpec, fixtures, network
 jetson_fleet = fixtures.jetson_fleet
 VENV_PYTHON = str(Path(sys.executable).absolute())
 PYTHON_PREFIX = sys.base_prefix
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 OLD_PYTHON = "/root/.pyenv/versions/3.8.18"
 
 
