@@ -24,7 +24,8 @@ PHOTO_PKGS := tuxpaint-stamps-default
 TRACE_PKGS := strace
 SYSTEM_PKGS := $(JETSON_PKGS) $(BROWSER_PKGS) $(PHOTO_PKGS) $(TRACE_PKGS)
 # The oldest device Python and torch (JetPack 6: Python 3.10, torch 2.5), which the stand-in devices of
-# tests/train/test_oldest_torch.py run. About 2 minutes and 5.4 GB (PyPI's torch wheels bring CUDA's libraries).
+# tests/train/cluster/test_oldest_torch.py run. About 2 minutes and 5.4 GB (PyPI's torch wheels bring CUDA's
+# libraries).
 OLDEST := .venv-oldest
 PY310  ?= $(firstword $(wildcard /root/.pyenv/versions/3.10.*/bin/python3.10) $(shell command -v python3.10))
 
@@ -60,7 +61,7 @@ test-all: $(STAMP) system-deps $(OLDEST)/.installed
 
 # Cluster training on devices with the oldest supported Python and torch (slow: stand-ins train the quickstart).
 test-oldest: $(STAMP) system-deps $(OLDEST)/.installed
-	$(BIN)/pytest tests/train/test_oldest_torch.py
+	$(BIN)/pytest tests/train/cluster/test_oldest_torch.py
 
 $(OLDEST)/.installed: tests/requirements-oldest.lock | $(BIN)/uv
 	@test -n "$(PY310)" || { echo "make: no Python 3.10 found for $(OLDEST); set PY310=/path/to/python3.10" >&2; exit 2; }

@@ -7,10 +7,10 @@ What it measures (issue #14), with `pipeline train --inventory` as a user runs i
 - per `train.compression` method: mean s/step after the compression warm-up (the first epoch: steps of epoch >= 1,
   from `batch / samples_per_s` in metrics.jsonl) and the final validation accuracy. "Best" is the fastest method
   within 1 point of `none`; speed-ups are against `none` of the same run (another process may share the CPUs);
-- a node lost mid-run (`train.nnodes = "3:4"`, the last stand-in killed whole, as tests/train/test_cluster_elastic.py
-  does, at step 22 (`--kill-at-step`), 4 steps past the checkpoint at the end of epoch 2): wall seconds from the
-  kill to the controller's next round and to the next training step written after it (a device's metrics.jsonl
-  read every 0.1 s), the steps lost (summary.json's event), and the final accuracy;
+- a node lost mid-run (`train.nnodes = "3:4"`, the last stand-in killed whole, as
+  tests/train/cluster/test_cluster_elastic.py does, at step 22 (`--kill-at-step`), 4 steps past the checkpoint at the
+  end of epoch 2): wall seconds from the kill to the controller's next round and to the next training step written
+  after it (a device's metrics.jsonl read every 0.1 s), the steps lost (summary.json's event), and the final accuracy;
 - what starting a run sends: the first run (`none`, fresh devices) against the same run again (`none` once more, code
   and data unchanged), from the upload's own `bytes_sent` (summary.json) and from the host ends' link counters
   (/sys/class/net/jetN/statistics/{tx,rx}_bytes, summed), split at the first and the last training step.
@@ -20,7 +20,7 @@ epochs set, the quickstart's count: `auto` would train 14 on these 576 training 
 steps) on the built-in digits, written as an image folder (one PNG per digit, by class; `data.augment = false`, as
 the quickstart's tensor digits get no augmentation) so that `data.sync = true` has the controller send the data;
 every device runs one rank with this venv's Python (tests/harness: a real sshd per device in its own namespaces
-with a private disk; tests/train/test_cluster.py's `start_cluster`).
+with a private disk; tests/train/cluster/test_cluster.py's `start_cluster`).
 
 Only the first 720 of the 1,797 digits (`--images`), for two reasons found here: (1) when measured, the upload's
 `verify` step (pipeline/fleet/upload.py) put every file name of the bundle on one shell command line, twice, and a
@@ -76,8 +76,8 @@ from benchmarks.weaklink import measure_path, start_shim, stop_shim, tun_lines, 
 from pipeline import layout  # noqa: E402
 from pipeline.files import read_json  # noqa: E402
 from tests.harness import DeviceLink, JetsonFleet, JetsonTarget, harness_unavailable, network  # noqa: E402
-from tests.train.test_cluster import inventory, marked_processes, pipeline_cmd, start_cluster  # noqa: E402
-from tests.train.test_cluster_elastic import Output  # noqa: E402
+from tests.train.cluster.test_cluster import inventory, marked_processes, pipeline_cmd, start_cluster  # noqa: E402
+from tests.train.cluster.test_cluster_elastic import Output  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 DEVICES = 4

@@ -88,7 +88,7 @@ def node_command(
 
 def train_nodes(method: str, epochs: int, run_dir: Path, link: WeakLink | None, seed: int = 0) -> float:
     """Run the 2-node job for `method` into `run_dir`; returns its wall seconds. Raises if a node fails."""
-    from pipeline.train.launcher import free_port
+    from pipeline.train.launch.launcher import free_port
 
     port = PORT if link else free_port()  # each namespace has its own ports
     env = dict(os.environ, PYTHONPATH=str(ROOT))

@@ -38,7 +38,7 @@ def _rank(rank: int, name: str, model_name: str, steps: int, port: int, out: Pat
 
     import models
     from pipeline.config import validate
-    from pipeline.train import runtime, strategy
+    from pipeline.train.rank import runtime, strategy
 
     cfg = validate({"train": {"strategy": name, "precision": "fp32"}}, "bench").train
     rt = runtime.init(cfg)
@@ -65,7 +65,7 @@ def measure(name: str, model_name: str, steps: int, out: Path) -> dict[str, floa
     """Rank 0's numbers and the larger peak RSS of the two ranks."""
     import torch.multiprocessing as mp
 
-    from pipeline.train.launcher import free_port
+    from pipeline.train.launch.launcher import free_port
 
     mp.start_processes(_rank, (name, model_name, steps, free_port(), out), nprocs=RANKS, start_method="spawn")
     rows = [json.loads((out / f"{name}.{r}.json").read_text()) for r in range(RANKS)]

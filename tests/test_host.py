@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import host
-from pipeline.train import thermal
+from pipeline.train.rank import thermal
 
 STANDIN = """#!/bin/sh
 # Stand-in for nvidia-smi: two GPUs, answers the two queries the pipeline makes.

@@ -18,7 +18,7 @@ from pipeline.config import load_config
 from pipeline.errors import PipelineError
 from pipeline.files import write_json
 from pipeline.manifest import create_run_dir
-from pipeline.train import checkpoint
+from pipeline.train.rank import checkpoint
 
 
 class Payload:

@@ -1,7 +1,11 @@
 """The train stage: data-parallel training under torchrun, with epoch checkpoints and a metrics log.
 
-The stage itself runs in this process and only launches torchrun (:mod:`pipeline.train.launcher`); the ranks run
-:mod:`pipeline.train.worker`. Everything they produce lands under ``train/`` in the run directory.
+The stage itself runs in this process and only launches torchrun (:mod:`pipeline.train.launch.launcher`) or, with
+`train.inventory`, the SSH job on the devices (:mod:`pipeline.train.cluster`); the ranks run
+:mod:`pipeline.train.rank.worker`. Everything they produce lands under ``train/`` in the run directory.
+
+A rank imports this package too (it is the parent of :mod:`pipeline.train.rank`): so this module imports nothing of
+the controller's rooms at module level, only inside the functions the controller calls.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ from pipeline.config import Config
 from pipeline.errors import PipelineError
 from pipeline.files import read_json, sha256_file
 from pipeline.manifest import RunDir, Stage, StageResult, cached_result, run_stage
-from pipeline.train.launcher import launch
 
 SUMMARY_METRICS = (
     "val_accuracy",
@@ -27,7 +30,7 @@ SUMMARY_METRICS = (
     "warnings",
 )
 
-__all__ = ["STAGE", "launch", "run"]
+__all__ = ["STAGE", "run"]
 
 
 def fingerprints(cfg: Config) -> dict[str, str]:
@@ -36,7 +39,7 @@ def fingerprints(cfg: Config) -> dict[str, str]:
     external = {"data": data.fingerprint(cfg.data)}
     if cfg.train.inventory is not None and cfg.data.source == "imagefolder" and not cfg.data.sync:
         # Each device trains on its own folder: the run's data is all of them (asks every device, over SSH).
-        from pipeline.train import rounds
+        from pipeline.train.cluster import rounds
 
         external["data"] = rounds.node_data_fingerprint(cfg)
     if cfg.model.weights is not None:
@@ -69,6 +72,8 @@ def run(
     """
 
     def train_here() -> None:
+        from pipeline.train.launch.launcher import launch  # the controller's: a rank never imports it
+
         launch(cfg, run.path, nnodes, node_rank, rdzv_endpoint, nproc_per_node, output, local_addr)
 
     if node_rank != 0:
@@ -82,7 +87,7 @@ def run(
 
     def body() -> StageResult:
         if cfg.train.inventory is not None:
-            from pipeline.train import rounds  # asyncssh and the fleet: only for cluster training
+            from pipeline.train.cluster import rounds  # asyncssh and the fleet: only for cluster training
 
             run.save_config(cfg)  # what every device is sent
             rounds.launch(cfg, run.path, output)

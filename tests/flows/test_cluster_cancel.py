@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.test_cluster import forwarding, inventory, jetson_fleet, marked_processes, start_cluster
+from tests.train.cluster.test_cluster import forwarding, inventory, jetson_fleet, marked_processes, start_cluster
 
 __all__ = ["forwarding", "jetson_fleet"]  # fixtures, used by name
 REPO = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from pipeline.train.launcher import free_port
+from pipeline.train.launch.launcher import free_port
 
 
 def _enter(rank: int, world: int, port: int, fn: Callable[..., None], args: tuple[Any, ...]) -> None:

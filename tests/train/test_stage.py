@@ -21,7 +21,7 @@ from pipeline.config import Config, validate
 from pipeline.errors import PipelineError
 from pipeline.files import read_json
 from pipeline.manifest import RunDir, create_run_dir
-from pipeline.train.procgroup import KILL_GRACE_S
+from pipeline.train.launch.procgroup import KILL_GRACE_S
 
 STEPS_PER_EPOCH = 23  # ceil(1437 training digits / 2 ranks / 32 per rank)
 
@@ -42,7 +42,7 @@ def rank_processes(run_dir: Path) -> set[int]:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue  # exited while we looked
-        if b"pipeline.train.worker" in argv and needle in argv:
+        if b"pipeline.train.rank.worker" in argv and needle in argv:
             found.add(int(entry.name))
     return found
 

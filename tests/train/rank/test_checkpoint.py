@@ -1,0 +1,117 @@
+"""The checkpoint directory's bookkeeping (ordering, the `latest` pointer, pruning) and saves on two real ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+import models
+from pipeline.config import validate
+from pipeline.errors import PipelineError
+from pipeline.files import write_json
+from pipeline.train.rank import checkpoint, runtime
+from tests.train.ranks import run_ranks
+
+
+def _make(root: Path, *steps: int) -> None:
+    for step in steps:
+        write_json(root / f"step-{step}" / checkpoint.TRAINER_JSON, {"epoch": 0, "step": step})
+
+
+def test_step_dirs_are_ordered_by_step_number_not_name(tmp_path: Path) -> None:
+    _make(tmp_path, 9, 10, 100)
+    (tmp_path / "step-x").mkdir()
+    assert [p.name for p in checkpoint.step_dirs(tmp_path)] == ["step-100", "step-10", "step-9"]
+
+
+def test_latest_is_none_without_a_pointer_and_follows_it_otherwise(tmp_path: Path) -> None:
+    _make(tmp_path, 10, 20)
+    assert checkpoint.latest(tmp_path) is None
+    checkpoint.point_latest(tmp_path, "step-10")
+    checkpoint.point_latest(tmp_path, "step-20")
+    assert checkpoint.latest(tmp_path) == (tmp_path / "step-20").resolve()
+    assert (tmp_path / "latest").readlink() == Path("step-20")  # relative: the run dir can move
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_latest_pointing_at_an_incomplete_checkpoint_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "step-5").mkdir()
+    checkpoint.point_latest(tmp_path, "step-5")
+    with pytest.raises(PipelineError, match=r"latest: points to step-5"):
+        checkpoint.latest(tmp_path)
+
+
+def test_prune_keeps_the_newest_and_never_the_one_latest_points_to(tmp_path: Path) -> None:
+    _make(tmp_path, 10, 20, 30, 40)
+    checkpoint.point_latest(tmp_path, "step-20")
+    deleted = checkpoint.prune(tmp_path, keep=1)
+    assert sorted(p.name for p in deleted) == ["step-10", "step-30"]
+    assert sorted(p.name for p in checkpoint.step_dirs(tmp_path)) == ["step-20", "step-40"]
+
+
+def test_only_a_checkpoint_of_the_same_data_and_model_is_resumable(tmp_path: Path) -> None:
+    ours, other = validate({}, "test"), validate({"data": {"image_size": 24}}, "test")
+    assert checkpoint.resumable(tmp_path, ours) is None
+    meta = {"epoch": 0, "step": 7, "resume_key": checkpoint.resume_key(ours)}
+    dcp.save({"model": {"w": torch.zeros(2)}}, checkpoint_id=tmp_path / "step-7", no_dist=True)
+    write_json(tmp_path / "step-7" / checkpoint.TRAINER_JSON, meta)
+    checkpoint.point_latest(tmp_path, "step-7")
+    longer = validate({"train": {"epochs": 99}}, "test")  # train settings may change on resume
+    assert checkpoint.resumable(tmp_path, longer) == (tmp_path / "step-7").resolve()
+    with pytest.raises(PipelineError, match=r"step-7: written for a different data/model config"):
+        checkpoint.resumable(tmp_path, other)
+
+
+def test_saves_run_in_the_background_on_cuda_unless_the_config_says_otherwise() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert [checkpoint.background(None, cpu), checkpoint.background(None, cuda)] == [False, True]
+    assert [checkpoint.background(True, cpu), checkpoint.background(False, cuda)] == [True, False]
+
+
+MODES = {"async": True, "sync": False}
+
+
+def _save_then_keep_training(root: Path) -> None:
+    """On each rank, per mode: checkpoint step 1 of a DDP model, change every weight at once, wait for the save."""
+    rt = runtime.init(validate({}, "test").train)
+    try:
+        for mode, asynchronous in MODES.items():
+            torch.manual_seed(0)
+            model = DistributedDataParallel(models.build_model("small_cnn", 10, 1))
+            optim = torch.optim.AdamW(model.parameters())
+            F.cross_entropy(model(torch.randn(4, 1, 16, 16)), torch.tensor([0, 1, 2, 3])).backward()
+            optim.step()
+            ckpt = checkpoint.Checkpointer(root / mode, keep=2, asynchronous=asynchronous)
+            if rt.is_main:
+                torch.save(model.module.state_dict(), root / f"{mode}.pt")
+            ckpt.save(model, optim, {"epoch": 0, "step": 1})
+            if rt.is_main:
+                (root / f"{mode}.latest-before-wait").write_text(str(checkpoint.latest(root / mode)))
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)  # training goes on while the background write runs
+            ckpt.wait()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_a_checkpoint_holds_the_weights_of_its_step_and_latest_moves_once_it_is_written(tmp_path: Path) -> None:
+    run_ranks(_save_then_keep_training, tmp_path)
+    for mode, asynchronous in MODES.items():
+        root = tmp_path / mode
+        moved_early = (tmp_path / f"{mode}.latest-before-wait").read_text() != "None"
+        assert moved_early == (not asynchronous)  # asynchronous: committed by wait(), not by save()
+        assert checkpoint.latest(root) == (root / "step-1").resolve()
+        model = models.build_model("small_cnn", 10, 1)
+        state = {"model": model.state_dict()}
+        dcp.load(state, checkpoint_id=root / "step-1", no_dist=True)
+        expected = torch.load(tmp_path / f"{mode}.pt", weights_only=True)
+        assert all(torch.equal(state["model"][k], expected[k]) for k in expected)
+        assert sorted(p.name for p in (root / "step-1").glob("rng-*.pt")) == ["rng-0.pt", "rng-1.pt"]
