@@ -67,7 +67,14 @@ def attached(pid: int, log: Path, enter: Sequence[str] = (), log_there: str = ""
     argv = [*enter, *_strace_argv(Path(log_there or log), quiet=False), "-p", str(pid)]
     said = log.with_name(f"{log.name}.stderr")
     with said.open("wb") as err:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+        # SIGINT is how strace is told to detach: a job started with `&` inherits it ignored, and so would strace.
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
     deadline = time.monotonic() + 10
     while b"attached" not in said.read_bytes():  # "Process N attached": from here on, every call is in the log
         if proc.poll() is not None or time.monotonic() > deadline:

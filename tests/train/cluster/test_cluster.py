@@ -184,6 +184,8 @@ def test_ctrl_c_on_the_controller_leaves_nothing_running_on_any_device(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        # Ctrl-C as a terminal delivers it: a test run started with `&` would hand SIGINT down ignored.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 300
     while len(marked_processes(fleet)) < 6 and time.monotonic() < deadline:  # an agent and a rank per device
