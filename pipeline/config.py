@@ -142,17 +142,16 @@ class TrainConfig(Section):
     FSDP: only `none`, or `fp16`/`bf16` for a low-precision reduce-scatter."""
     compression_warmup_epochs: float = Field(1.0, ge=0.0)
     """Epochs of plain all-reduce before `powersgd`, `topk`, `sign`, `localsgd` or `auto` start: compressing the
-    large gradients of the first steps cost 1.5-7.5 points on the digits with a 10-step warm-up. Counted from the
+    large gradients of the first steps costs accuracy (docs/measurements.md#compression-warm-up). Counted from the
     run's first step: a resumed run goes on compressing (PowerSGD after 2 plain steps, to rebuild its buckets)."""
     compression_warmup_steps: int | None = Field(None, ge=0)
     """Warm-up in optimizer steps instead of `compression_warmup_epochs` (`powersgd` needs >= 2); unset: epochs."""
     powersgd_rank: int = Field(8, ge=1)
-    """Rank of PowerSGD's low-rank approximation: bytes grow linearly with it. Rank 8 sends 2.7% of resnet18's
-    and 3.0% of resnet50's bytes; against `none` (mean of 3 seeds) it lost 0.09 points on the quickstart and on
-    resnet18, where rank 4 lost 0.74 and 1.02 (rank 2 lost 2.5 on the quickstart)."""
+    """Rank of PowerSGD's low-rank approximation: bytes grow linearly with it, and below 8 the quickstart and
+    resnet18 lost more than a point against `none` (docs/measurements.md#powersgd-rank)."""
     topk_fraction: float | None = Field(None, gt=0.0, le=1.0)
     """Share of each bucket's gradient entries `topk` sends (values as fp32, indices as int32); unset: scaled to the
-    model, 1% but at least 2048 entries and at most 10% (1% of small_cnn's 20k gradients lost 7.5 points)."""
+    model, 1% but at least 2048 entries and at most 10% (docs/measurements.md#top-k-how-many-entries)."""
     localsgd_period: int = Field(8, ge=1)
     """`localsgd`: steps between model averagings after warm-up."""
     localsgd_int8: bool = False

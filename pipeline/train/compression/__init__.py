@@ -33,23 +33,23 @@ from pipeline.errors import PipelineError
 
 BLOCKING = ("powersgd", "auto")
 """Methods whose hook finishes its collectives before it returns: their round trips overlap nothing, so each extra
-DDP bucket costs a few more of them per step (on a 40 ms link, PowerSGD in 3 buckets took twice as long as in one).
+DDP bucket costs a few more of them per step (docs/measurements.md#blocking-hooks-and-ddp-buckets).
 `auto` runs PowerSGD too, and switches between methods on a fixed bucket layout. Top-k and sign send each bucket
 with one asynchronous all_gather, which overlaps the rest of the backward pass like DDP's own all-reduce."""
 WARMING_METHODS = ("powersgd", "topk", "sign", "localsgd", "auto")
 """Methods that run plain all-reduce for `compression_warmup_epochs` (or `_steps`) before they start."""
 TOPK_MIN_ENTRIES = 2048
-"""Fewest entries `topk` sends by default: 1% of a 20k-parameter CNN (202 entries) lost 7.5 points on the digits."""
+"""Fewest entries `topk` sends by default: fewer lost a small CNN's accuracy
+(docs/measurements.md#top-k-how-many-entries)."""
 TOPK_FRACTIONS = (0.01, 0.1)
-"""Range of the default `topk_fraction`: 1% for large models (resnet18 at 1% was within 0.6 points), 10% at most."""
+"""Range of the default `topk_fraction`: 1% for large models, 10% at most (docs/measurements.md, as above)."""
 TOPK_SAMPLE_STRIDE = 100
 """`topk` sets its selection threshold from every 100th entry of a bucket (112 k of resnet18's 11.2 M gradients)."""
 TOPK_OVERSELECT = 2.0
 """The threshold is aimed at keeping twice the k entries sent, so sampling noise rarely leaves fewer than k."""
 SIGN_WHOLE_BELOW = 1024
-"""`sign` sends tensors of fewer entries whole, besides vectors: a small model's stem and head (small_cnn's 864 and
-640 entries) as signs cost the quickstart 1.4 points against `none` (mean of 3 seeds), whole 0.5; 1.3 with vectors
-alone (measured with one scale per tensor)."""
+"""`sign` sends tensors of fewer entries whole, besides vectors: a small model's stem and head as signs cost the
+quickstart accuracy (docs/measurements.md#sign-what-goes-whole-and-one-scale-per-channel)."""
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 HookFactory = Callable[["Knobs", dist.ProcessGroup | None, "CommCounter"], tuple[Any, CommHook]]
 
@@ -389,8 +389,8 @@ def _sign(state: _SparseState, bucket: dist.GradBucket) -> torch.futures.Future[
     sizes, kept_sizes = [seg.numel() for seg in signed], [seg.numel() for seg in kept]
     exact = torch.cat(kept) if kept else corrected.new_empty(0)
     # A scale per output channel (PowerSGD's rows: docs/torch-distributed.md#vectors-and-rows-in-compression).
-    # Gradients differ by orders of magnitude between layers and between a layer's channels: one scale per tensor
-    # lost resnet18 2.1 points against `none` (3 seeds), one per channel 1.1.
+    # Gradients differ by orders of magnitude between layers and between a layer's channels, so one scale per tensor
+    # loses accuracy (docs/measurements.md#sign-what-goes-whole-and-one-scale-per-channel).
     scales = row_scales(signed, shapes) if signed else corrected.new_empty(0).float()
     packed = pack_signs(torch.cat(signed) if signed else corrected.new_empty(0))
     for seg, sent in zip(signed, scaled_signs(packed, scales, shapes).split(sizes), strict=True):

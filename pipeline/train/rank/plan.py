@@ -25,15 +25,13 @@ and below 16 images those are noisy enough to hurt (the reason torchvision's rec
 EPOCHS = 8
 """Fewest epochs `auto` gives: the quickstart's."""
 MIN_STEPS = 120
-"""`auto` adds epochs until training makes at least this many optimizer steps. Measured on 115 photographs
-(README, "Measured on real photographs"): mobilenet_v3_small and resnet18 from scratch are still near chance
-after 16 steps and well above it after 120; the digits make 184 in their 8 epochs and are not affected."""
+"""`auto` adds epochs until training makes at least this many optimizer steps: small photo folders trained from
+scratch stay near chance with fewer (docs/measurements.md#fewest-optimizer-steps)."""
 SCRATCH_LR = 1e-2
 """AdamW's peak rate from scratch (with warm-up and cosine decay): what the quickstart trains with."""
 FINETUNE_LR = 1e-3
 """... and from a weights file: a tenth, so that the first full-size steps, driven by a fresh head's large
-gradients, do not overwrite what the weights already know (measured: at 1e-2 an earlier run's weights start no
-better than random ones)."""
+gradients, do not overwrite what the weights already know (docs/measurements.md#fine-tuning-learning-rate)."""
 
 
 @dataclass(frozen=True)
