@@ -544,7 +544,7 @@ def node_data_fingerprint(cfg: Config) -> str:
         return nodedata.combined(asyncio.run(collect()))
 
 
-def launch(cfg: Config, run_dir: Path, output: Callable[[str], None] | None = None) -> None:
+def run_on_devices(cfg: Config, run_dir: Path, output: Callable[[str], None] | None = None) -> None:
     """Train on the devices of `train.inventory`; the run directory ends as a local run's would.
 
     Ctrl-C, SIGTERM (a cancelled flow run) and `train.timeout_s` stop every rank on every device before this
