@@ -7,7 +7,7 @@ What it measures (issue #14), with `pipeline train --inventory` as a user runs i
 - per `train.compression` method: mean s/step after the compression warm-up (the first epoch: steps of epoch >= 1,
   from `batch / samples_per_s` in metrics.jsonl) and the final validation accuracy. "Best" is the fastest method
   within 1 point of `none`; speed-ups are against `none` of the same run (another process may share the CPUs);
-- a node lost mid-run (`train.nnodes = "3:4"`, the last stand-in killed whole, as
+- a node lost mid-run (`train.devices = "3:4"`, the last stand-in killed whole, as
   tests/train/cluster/test_cluster_elastic.py does, at step 22 (`--kill-at-step`), 4 steps past the checkpoint at the
   end of epoch 2): wall seconds from the kill to the controller's next round and to the next training step written
   after it (a device's metrics.jsonl read every 0.1 s), the steps lost (summary.json's event), and the final accuracy;
@@ -226,13 +226,13 @@ def phases(samples: list[Sample], start: Sample) -> dict[str, dict[str, int]]:
     return {name: {"tx": b.tx - a.tx, "rx": b.rx - a.rx} for name, a, b in zip(names, cuts[:-1], cuts[1:], strict=True)}
 
 
-def settings(method: str, epochs: int, data: Path, nnodes: str) -> list[str]:
+def settings(method: str, epochs: int, data: Path, devices: str) -> list[str]:
     """`--set` arguments: the quickstart, on the digits folder sent by the controller, with `method`."""
     values: dict[str, Any] = {"data.source": "imagefolder", "data.path": str(data), "data.sync": True}
     # The quickstart's digits get no augmentation (tensor source, augment_shift 0); an image folder would get random
     # crops down to 35% of the area, which on 8x8 digits held the accuracy near 0.6 after 6 epochs.
     values["data.augment"] = False
-    values |= {"train.epochs": epochs, "train.compression": method, "train.nnodes": nnodes}
+    values |= {"train.epochs": epochs, "train.compression": method, "train.devices": devices}
     return [arg for key, value in values.items() for arg in ("--set", f"{key}={toml_value(value)}")]
 
 
@@ -343,11 +343,11 @@ def bench(args: argparse.Namespace, tmp: Path, result: dict[str, Any]) -> None:
         rows = []
         for name, method, kill_at in jobs:
             print(f"[{time.strftime('%H:%M:%S')}] {name} ...", file=sys.stderr, flush=True)
-            nnodes = f"{DEVICES - 1}:{DEVICES}" if kill_at else str(DEVICES)
+            devices = f"{DEVICES - 1}:{DEVICES}" if kill_at else str(DEVICES)
             run_dir = tmp / f"run-{len(rows)}"
             run_dir.mkdir()
             row = {"run": name, "method": method}
-            row |= train(fleet, inv, run_dir, settings(method, args.epochs, data, nnodes), kill_at)
+            row |= train(fleet, inv, run_dir, settings(method, args.epochs, data, devices), kill_at)
             rows.append(row)
             print(f"  {json.dumps(row)}", file=sys.stderr, flush=True)
             for r in rows:

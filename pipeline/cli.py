@@ -141,7 +141,13 @@ def train(
     run_dir: RunDirOpt = None,
     set_: SetOpt = None,
     nproc_per_node: Annotated[int | None, typer.Option(help="Ranks on this node.")] = None,
-    nnodes: Annotated[int, typer.Option(help="Nodes taking part (multi-node: start this command on each).")] = 1,
+    nnodes: Annotated[
+        int,
+        typer.Option(
+            help="torchrun nodes of one job on a shared filesystem (start this command on each); "
+            "the SSH cluster's device count is train.devices."
+        ),
+    ] = 1,
     node_rank: Annotated[int, typer.Option(help="This node's rank, 0..nnodes-1.")] = 0,
     rdzv_endpoint: Annotated[str | None, typer.Option(help="HOST:PORT of the c10d rendezvous (node 0).")] = None,
     local_addr: Annotated[

@@ -212,9 +212,11 @@ class TrainConfig(Section):
     inventory: Path | None = None
     """Fleet inventory TOML of the devices to train on over SSH (one torchrun agent per target, with the target's
     `python`, `nproc_per_node`, `ifname` and `addr`); unset: train on this machine."""
-    nnodes: str | None = Field(None, pattern=r"^[1-9][0-9]*(:[1-9][0-9]*)?$")
-    """With `inventory`: devices the job needs, "N" or "MIN:MAX"; training goes on while at least MIN remain, and
-    a device that comes back rejoins up to MAX. Unset: every device of the inventory, none may leave."""
+    devices: str | None = Field(None, pattern=r"^[1-9][0-9]*(:[1-9][0-9]*)?$")
+    """With `inventory`: how many of the inventory's devices the SSH job needs, "N" or "MIN:MAX"; training goes on
+    while at least MIN remain, and a device that comes back rejoins up to MAX. Unset: every device of the
+    inventory, none may leave. Not the CLI's `pipeline train --nnodes`, which is torchrun's fixed node count for
+    one job across hosts on a shared filesystem (no inventory)."""
 
     @model_validator(mode="after")
     def _compatible(self) -> TrainConfig:
@@ -423,6 +425,26 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+RENAMED = {
+    "train.nnodes": 'renamed to train.devices (how many inventory devices the SSH job needs, "N" or "MIN:MAX"); '
+    "the CLI's --nnodes is torchrun's node count",
+}
+"""Keys that were renamed: refused with what they are called now, in place of "unknown key"."""
+
+SNAPSHOT_RENAMES = {("train", "nnodes"): "devices"}
+"""(section, old key) → new key, for config snapshots (config.json) written before the rename."""
+
+
+def upgrade_snapshot(data: dict[str, Any]) -> dict[str, Any]:
+    """A config snapshot the pipeline wrote itself, with renamed keys under their new names, so that an older run
+    directory still opens. A TOML file or `--set` with an old key is refused instead (`RENAMED`)."""
+    for (section, old), new in SNAPSHOT_RENAMES.items():
+        table = data.get(section)
+        if isinstance(table, dict) and old in table and new not in table:
+            table[new] = table.pop(old)
+    return data
+
+
 UNION_TAG = re.compile(r"^(literal\[.*\]|constrained-\w+|int|float|str|bool)$")
 """How pydantic names the member of a union (`int | Literal["auto"]`) an error is about, after the field's key."""
 
@@ -436,7 +458,7 @@ def _first_error(err: ValidationError, origin: str) -> PipelineError:
         by_field.setdefault(".".join(loc) or "(top level)", []).append(error)
     where, errors = next(iter(by_field.items()))
     first = errors[0]
-    msg = "unknown key" if first["type"] == "extra_forbidden" else first["msg"]
+    msg = RENAMED.get(where, "unknown key") if first["type"] == "extra_forbidden" else first["msg"]
     others = [e["ctx"]["expected"] for e in errors[1:] if e["type"] == "literal_error"]
     msg += f" (or {', '.join(others)})" if others and first["type"] != "literal_error" else ""
     more = f" (and {len(by_field) - 1} more)" if len(by_field) > 1 else ""

@@ -21,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import IO, Any, Literal
 
-from pipeline.config import Config, validate
+from pipeline.config import Config, upgrade_snapshot, validate
 from pipeline.errors import PipelineError
 from pipeline.files import read_json, sha256_file, write_json
 from pipeline.layout import CONFIG_SNAPSHOT, MANIFEST
@@ -159,7 +159,7 @@ class RunDir:
     def load_config(self) -> Config:
         """The config snapshot written when the run started."""
         snapshot = self.path / CONFIG_SNAPSHOT
-        return validate(read_json(snapshot), str(snapshot))
+        return validate(upgrade_snapshot(read_json(snapshot)), str(snapshot))
 
     def record(self, result: StageResult, entry: dict[str, Any]) -> None:
         """Store a stage's result and lineage in the manifest."""

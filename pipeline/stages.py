@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import registry
-from pipeline.config import DEFAULT_CONFIG, Config, apply_overrides, load_config, validate
+from pipeline.config import DEFAULT_CONFIG, Config, apply_overrides, load_config, upgrade_snapshot, validate
 from pipeline.errors import PipelineError
 from pipeline.files import read_json
 from pipeline.holdout import Holdout
@@ -47,7 +47,7 @@ def open_run(config: Path | None, run_dir: Path | None, overrides: list[str] | N
     overrides = overrides or []
     snapshot = run_dir / CONFIG_SNAPSHOT if run_dir else None
     if config is None and snapshot is not None and snapshot.exists():
-        cfg = validate(apply_overrides(read_json(snapshot), overrides), str(snapshot))
+        cfg = validate(apply_overrides(upgrade_snapshot(read_json(snapshot)), overrides), str(snapshot))
         if not overrides:
             return cfg, RunDir(run_dir)  # type: ignore[arg-type]
     else:

@@ -64,6 +64,33 @@ def test_unknown_key_in_set(tmp_path: Path, existing_run: Path):
     assert _snapshot(existing_run) == before
 
 
+RENAMED_NNODES = (
+    'train.nnodes: renamed to train.devices (how many inventory devices the SSH job needs, "N" or "MIN:MAX"); '
+    "the CLI's --nnodes is torchrun's node count"
+)
+
+
+def test_renamed_key_in_set_names_the_new_key(tmp_path: Path):
+    proc = pipeline("run", "--set", "train.nnodes=2", "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    _assert_one_line_error(proc, RENAMED_NNODES)
+    assert not (tmp_path / "run").exists()
+
+
+def test_renamed_key_in_toml_names_the_new_key(tmp_path: Path, existing_run: Path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[train]\nepochs = 3\nnnodes = "2:3"\n')
+    before = _snapshot(existing_run)
+    proc = pipeline("run", "--config", str(cfg), "--run-dir", str(existing_run), cwd=tmp_path)
+    _assert_one_line_error(proc, f"c.toml: {RENAMED_NNODES}")
+    assert _snapshot(existing_run) == before
+
+
+def test_devices_out_of_pattern_is_one_line(tmp_path: Path):
+    proc = pipeline("run", "--set", 'train.devices="0"', "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    _assert_one_line_error(proc, "train.devices: String should match pattern")
+    assert not (tmp_path / "run").exists()
+
+
 def test_missing_config_file(tmp_path: Path):
     proc = pipeline("run", "--config", str(tmp_path / "nope.toml"), cwd=tmp_path)
     _assert_one_line_error(proc, "nope.toml: config file not found")

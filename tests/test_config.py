@@ -47,6 +47,52 @@ def test_bad_values_name_the_dotted_key(overrides, expected):
     assert "\n" not in str(err.value)
 
 
+RENAMED_NNODES = "train.nnodes: renamed to train.devices"
+
+
+def test_renamed_key_is_refused_with_its_new_name(tmp_path: Path):
+    """`train.nnodes` (the SSH job's device count) became `train.devices`: the CLI's `--nnodes` is torchrun's."""
+    toml = tmp_path / "c.toml"
+    toml.write_text('[train]\nnnodes = "2:3"\n')
+    for load in (lambda: load_config(None, ["train.nnodes=2"]), lambda: load_config(toml)):
+        with pytest.raises(PipelineError) as err:
+            load()
+        assert RENAMED_NNODES in str(err.value) and "--nnodes" in str(err.value)
+        assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("value", ['"2"', '"2:3"', '"1:1"'])
+def test_devices_takes_n_or_min_max(value: str):
+    assert load_config(None, [f"train.devices={value}"]).train.devices == value.strip('"')
+    assert load_config().train.devices is None
+
+
+@pytest.mark.parametrize("value", ['"0"', '"0:2"', '"2:"', '":3"', '"a"', '"2-3"', '"2:3:4"'])
+def test_devices_refuses_what_is_not_n_or_min_max(value: str):
+    with pytest.raises(PipelineError, match=r"train\.devices: String should match pattern") as err:
+        load_config(None, [f"train.devices={value}"])
+    assert "\n" not in str(err.value)
+
+
+def test_an_older_snapshot_opens_with_the_renamed_key(tmp_path: Path):
+    """A run directory's config.json written before the rename (`train.nnodes`) still opens, as `train.devices`;
+    only a user's TOML or `--set` is refused."""
+    from pipeline.files import read_json, write_json
+    from pipeline.layout import CONFIG_SNAPSHOT
+    from pipeline.manifest import create_run_dir
+    from pipeline.stages import open_run
+
+    run = create_run_dir(load_config(None, ['train.devices="2:3"']), tmp_path / "run")
+    snapshot = read_json(run.path / CONFIG_SNAPSHOT)
+    snapshot["train"]["nnodes"] = snapshot["train"].pop("devices")
+    write_json(run.path / CONFIG_SNAPSHOT, snapshot)
+    assert run.load_config().train.devices == "2:3"
+    assert open_run(None, run.path)[0].train.devices == "2:3"
+    assert open_run(None, run.path, ["train.epochs=2"])[0].train.devices == "2:3"
+    with pytest.raises(PipelineError, match=RENAMED_NNODES):
+        open_run(None, run.path, ["train.nnodes=2"])
+
+
 def test_malformed_and_missing_files_are_one_line_errors(tmp_path: Path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[train\nepochs = 3\n")

@@ -1,7 +1,7 @@
 """The train stage: data-parallel training under torchrun, with epoch checkpoints and a metrics log.
 
-The stage itself runs in this process and only launches torchrun (:mod:`pipeline.train.launch.launcher`) or, with
-`train.inventory`, the SSH job on the devices (:mod:`pipeline.train.cluster`); the ranks run
+The stage itself runs in this process and only launches torchrun (:func:`pipeline.train.launch.launcher.launch`) or,
+with `train.inventory`, the SSH job on the devices (:func:`pipeline.train.cluster.rounds.run_on_devices`); the ranks run
 :mod:`pipeline.train.rank.worker`. Everything they produce lands under ``train/`` in the run directory.
 
 A rank imports this package too (it is the parent of :mod:`pipeline.train.rank`): so this module imports nothing of
@@ -90,7 +90,7 @@ def run(
             from pipeline.train.cluster import rounds  # asyncssh and the fleet: only for cluster training
 
             run.save_config(cfg)  # what every device is sent
-            rounds.launch(cfg, run.path, output)
+            rounds.run_on_devices(cfg, run.path, output)
         else:
             train_here()
         summary = read_json(run.path / layout.SUMMARY)

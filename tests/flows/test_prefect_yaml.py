@@ -46,6 +46,6 @@ def test_nightly_cluster_retrains_on_the_example_inventory():
     nightly = _deployments()["nightly-cluster"]
     assert nightly["entrypoint"] == "flows/train_to_deploy.py:train_to_deploy"
     cfg = load_config(REPO / nightly["parameters"]["config"])
-    assert cfg.train.inventory is not None and cfg.train.nnodes
+    assert cfg.train.inventory is not None and cfg.train.devices
     inventory = read_toml(REPO / cfg.train.inventory, "inventory")  # the example's hosts are placeholders
     assert len(inventory["targets"]) >= 2 and inventory["defaults"]["python"] == "/usr/bin/python3"

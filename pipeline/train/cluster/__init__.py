@@ -8,7 +8,7 @@ device. Each device trains into a run directory on its own disk; the controller 
 back as it is committed, so the controller's run directory always holds the newest checkpoint that is whole.
 
 Membership is the controller's: a job runs in rounds of a fixed node set. When a device disappears, the round ends
-on every device, and the next round starts with the devices left (if `train.nnodes`' minimum still holds) from the
+on every device, and the next round starts with the devices left (if `train.devices`' minimum still holds) from the
 last complete checkpoint, which the controller first sends to each of them; torchrun's own restart would resume
 each rank from its own disk, which holds only that device's shards. A device that comes back is taken in at the
 next checkpoint. `summary.json` and `metrics.jsonl` record who left or joined, when, and the steps lost.
@@ -206,13 +206,13 @@ def refuse_unready(nodes: list[NodeCheck], strategy: str = "ddp") -> None:
 
 
 def bounds(spec: str | None, available: int) -> tuple[int, int]:
-    """(minimum, maximum) devices from `train.nnodes` ("3" or "2:4"); unset: all of them, none may leave."""
+    """(minimum, maximum) devices from `train.devices` ("3" or "2:4"); unset: all of them, none may leave."""
     if spec is None:
         return available, available
     low, _, high = spec.partition(":")
     lo, hi = int(low), int(high or low)
     if not 1 <= lo <= hi:
-        raise PipelineError(f"train.nnodes: {spec!r}: needs 1 <= min <= max")
+        raise PipelineError(f"train.devices: {spec!r}: needs 1 <= min <= max")
     if lo > available:
-        raise PipelineError(f"train.nnodes: {spec!r} needs at least {lo} devices; the inventory lists {available}")
+        raise PipelineError(f"train.devices: {spec!r} needs at least {lo} devices; the inventory lists {available}")
     return lo, min(hi, available)

@@ -192,7 +192,7 @@ class Job:
         """The controller's image folder, sent to each device before it trains (`data.sync`); None: not sent."""
         self.sent = {"code": sum(n.bytes_sent for n in nodes), "data": 0, "checkpoints": 0}
         """Bytes sent to the devices, by what they were: what it cost to start (and restart) the job."""
-        self.minimum, self.maximum = bounds(cfg.train.nnodes, len(nodes))
+        self.minimum, self.maximum = bounds(cfg.train.devices, len(nodes))
         self.ready, self.away = nodes[: self.maximum], list(nodes[self.maximum :])
         self.printer = printer
         # The run's directory on every device: named after the controller's, unique per controller path.
@@ -260,7 +260,7 @@ class Job:
         if len(left) < self.minimum:
             gone = ", ".join(n.name for n in end.lost)
             raise PipelineError(
-                f"train: {gone} left; {len(left)} devices remain, below train.nnodes' minimum {self.minimum}"
+                f"train: {gone} left; {len(left)} devices remain, below train.devices' minimum {self.minimum}"
             )
         names = ", ".join(n.name for n in left)
         self.printer.emit("controller", f"round {self.rounds + 1}: {names}, from step {resumed}", "\n")
@@ -544,7 +544,7 @@ def node_data_fingerprint(cfg: Config) -> str:
         return nodedata.combined(asyncio.run(collect()))
 
 
-def launch(cfg: Config, run_dir: Path, output: Callable[[str], None] | None = None) -> None:
+def run_on_devices(cfg: Config, run_dir: Path, output: Callable[[str], None] | None = None) -> None:
     """Train on the devices of `train.inventory`; the run directory ends as a local run's would.
 
     Ctrl-C, SIGTERM (a cancelled flow run) and `train.timeout_s` stop every rank on every device before this
@@ -552,7 +552,7 @@ def launch(cfg: Config, run_dir: Path, output: Callable[[str], None] | None = No
     """
     assert cfg.train.inventory is not None
     inventory = load_inventory(cfg.train.inventory)
-    bounds(cfg.train.nnodes, len(inventory.targets))
+    bounds(cfg.train.devices, len(inventory.targets))
     run_dir = Path(run_dir).resolve()
     checkpoint.resumable(run_dir / layout.CHECKPOINTS, cfg)
     with tempfile.TemporaryDirectory(prefix="cluster-") as tmp:

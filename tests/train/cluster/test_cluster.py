@@ -197,7 +197,7 @@ def test_ctrl_c_on_the_controller_leaves_nothing_running_on_any_device(
     assert marked_processes(fleet) == []
 
 
-ELASTIC = ("--set", "train.epochs=4", "--set", "train.nnodes=2:3", "--set", "train.checkpoint_every_steps=10")
+ELASTIC = ("--set", "train.epochs=4", "--set", "train.devices=2:3", "--set", "train.checkpoint_every_steps=10")
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ from tests.train.cluster.test_cluster import (
 
 __all__ = ["forwarding", "jetson_fleet"]  # fixtures, used by name
 
-ELASTIC = ("--set", "train.nnodes=2:3", "--set", "train.checkpoint_every_steps=10")
+ELASTIC = ("--set", "train.devices=2:3", "--set", "train.checkpoint_every_steps=10")
 
 
 class Output:
