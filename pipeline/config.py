@@ -426,19 +426,28 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 RENAMED = {
-    "train.nnodes": 'renamed to train.devices (how many inventory devices the SSH job needs, "N" or "MIN:MAX"); '
-    "the CLI's --nnodes is torchrun's node count",
+    ("train", "nnodes"): (
+        "devices",
+        'how many inventory devices the SSH job needs, "N" or "MIN:MAX"; the CLI\'s --nnodes is torchrun\'s node count',
+    ),
 }
-"""Keys that were renamed: refused with what they are called now, in place of "unknown key"."""
+"""(section, old key) -> (new key, what it is): a TOML file or `--set` with the old key is refused naming the new
+one, in place of "unknown key"; a config snapshot the pipeline wrote before the rename is read under the new name."""
 
-SNAPSHOT_RENAMES = {("train", "nnodes"): "devices"}
-"""(section, old key) → new key, for config snapshots (config.json) written before the rename."""
+
+def _renamed(where: str) -> str | None:
+    """The refusal for a dotted key that was renamed, or None."""
+    section, _, key = where.partition(".")
+    if (section, key) in RENAMED:
+        new, what = RENAMED[section, key]
+        return f"renamed to {section}.{new} ({what})"
+    return None
 
 
 def upgrade_snapshot(data: dict[str, Any]) -> dict[str, Any]:
     """A config snapshot the pipeline wrote itself, with renamed keys under their new names, so that an older run
-    directory still opens. A TOML file or `--set` with an old key is refused instead (`RENAMED`)."""
-    for (section, old), new in SNAPSHOT_RENAMES.items():
+    directory still opens."""
+    for (section, old), (new, _) in RENAMED.items():
         table = data.get(section)
         if isinstance(table, dict) and old in table and new not in table:
             table[new] = table.pop(old)
@@ -458,7 +467,7 @@ def _first_error(err: ValidationError, origin: str) -> PipelineError:
         by_field.setdefault(".".join(loc) or "(top level)", []).append(error)
     where, errors = next(iter(by_field.items()))
     first = errors[0]
-    msg = RENAMED.get(where, "unknown key") if first["type"] == "extra_forbidden" else first["msg"]
+    msg = (_renamed(where) or "unknown key") if first["type"] == "extra_forbidden" else first["msg"]
     others = [e["ctx"]["expected"] for e in errors[1:] if e["type"] == "literal_error"]
     msg += f" (or {', '.join(others)})" if others and first["type"] != "literal_error" else ""
     more = f" (and {len(by_field) - 1} more)" if len(by_field) > 1 else ""

@@ -65,8 +65,8 @@ def test_unknown_key_in_set(tmp_path: Path, existing_run: Path):
 
 
 RENAMED_NNODES = (
-    'train.nnodes: renamed to train.devices (how many inventory devices the SSH job needs, "N" or "MIN:MAX"); '
-    "the CLI's --nnodes is torchrun's node count"
+    'train.nnodes: renamed to train.devices (how many inventory devices the SSH job needs, "N" or "MIN:MAX"; '
+    "the CLI's --nnodes is torchrun's node count)"
 )
 
 
