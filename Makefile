@@ -6,7 +6,8 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 LOCK   := requirements.lock
-STAMP  := $(VENV)/.installed-$(shell sha256sum $(LOCK) | cut -c1-12)
+# Re-install when the lock or the project's own metadata (entry points, package data) changes.
+STAMP  := $(VENV)/.installed-$(shell cat $(LOCK) pyproject.toml | sha256sum | cut -c1-12)
 # uv trusts the system's certificate store, as pip does: behind a proxy that re-signs TLS (companies, CI) the
 # proxy's CA is there, and uv's built-in roots would refuse PyPI.
 export UV_SYSTEM_CERTS := 1
@@ -40,7 +41,7 @@ $(BIN)/uv:
 
 # sync: exactly the lock, nothing else (and uninstalls what the lock dropped); the project itself goes in editable,
 # built by the lock's setuptools.
-$(STAMP): $(LOCK) | $(BIN)/uv
+$(STAMP): $(LOCK) pyproject.toml | $(BIN)/uv
 	$(BIN)/uv pip sync --quiet --python $(BIN)/python --require-hashes $(LOCK)
 	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps --no-build-isolation -e .
 	@rm -f $(VENV)/.installed-* && touch $@
