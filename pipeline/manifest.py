@@ -156,10 +156,13 @@ class RunDir:
             manifest["config"] = cfg.model_dump(mode="json")
             manifest["versions"] = tool_versions()
 
+    def config_data(self) -> dict[str, Any]:
+        """The config snapshot written when the run started, as data, keys renamed since under their new names."""
+        return upgrade_snapshot(read_json(self.path / CONFIG_SNAPSHOT))
+
     def load_config(self) -> Config:
         """The config snapshot written when the run started."""
-        snapshot = self.path / CONFIG_SNAPSHOT
-        return validate(upgrade_snapshot(read_json(snapshot)), str(snapshot))
+        return validate(self.config_data(), str(self.path / CONFIG_SNAPSHOT))
 
     def record(self, result: StageResult, entry: dict[str, Any]) -> None:
         """Store a stage's result and lineage in the manifest."""

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import registry
-from pipeline.config import DEFAULT_CONFIG, Config, apply_overrides, load_config, upgrade_snapshot, validate
+from pipeline.config import DEFAULT_CONFIG, Config, apply_overrides, load_config, validate
 from pipeline.errors import PipelineError
 from pipeline.files import read_json
 from pipeline.holdout import Holdout
@@ -45,11 +45,11 @@ def open_run(config: Path | None, run_dir: Path | None, overrides: list[str] | N
     a new run falls back to the embedded quickstart config. The config is validated before anything is written.
     """
     overrides = overrides or []
-    snapshot = run_dir / CONFIG_SNAPSHOT if run_dir else None
-    if config is None and snapshot is not None and snapshot.exists():
-        cfg = validate(apply_overrides(upgrade_snapshot(read_json(snapshot)), overrides), str(snapshot))
+    if config is None and run_dir is not None and (run_dir / CONFIG_SNAPSHOT).exists():
+        run = RunDir(run_dir)
+        cfg = validate(apply_overrides(run.config_data(), overrides), str(run_dir / CONFIG_SNAPSHOT))
         if not overrides:
-            return cfg, RunDir(run_dir)  # type: ignore[arg-type]
+            return cfg, run
     else:
         cfg = load_config(config or DEFAULT_CONFIG, overrides)
     if run_dir is not None and run_dir.exists() and not run_dir.is_dir():
