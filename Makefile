@@ -13,6 +13,10 @@ STAMP  := $(VENV)/.installed-$(shell cat $(LOCK) pyproject.toml | sha256sum | cu
 export UV_SYSTEM_CERTS := 1
 # The lock's own command line: universal (any OS and CPU, Python 3.11 on), hashes for every file.
 COMPILE = $(BIN)/uv pip compile --quiet --universal --generate-hashes --custom-compile-command "make lock"
+# $(call install,VENV,LOCKFILE): exactly the lock in VENV (what else is there goes), then the project, editable,
+# built by the lock's setuptools.
+install = $(BIN)/uv pip sync --quiet --python $(1)/bin/python --require-hashes $(2) && \
+    $(BIN)/uv pip install --quiet --python $(1)/bin/python --no-deps --no-build-isolation -e .
 # Debian packages the stand-in Jetson tests need (real sshd per device, namespaces; BusyBox, whose bare sh and
 # applets show the device-side script asks for nothing beyond POSIX); they skip, saying so, without.
 JETSON_PKGS := openssh-server openssh-client util-linux iproute2 procps busybox
@@ -39,11 +43,8 @@ $(BIN)/uv:
 	awk '/^uv==/ {keep = 1; print; next} /^[^ ]/ {keep = 0} keep' $(LOCK) \
 	    | $(BIN)/python -m pip install --quiet --require-hashes --no-deps -r /dev/stdin
 
-# sync: exactly the lock, nothing else (and uninstalls what the lock dropped); the project itself goes in editable,
-# built by the lock's setuptools.
 $(STAMP): $(LOCK) pyproject.toml | $(BIN)/uv
-	$(BIN)/uv pip sync --quiet --python $(BIN)/python --require-hashes $(LOCK)
-	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps --no-build-isolation -e .
+	$(call install,$(VENV),$(LOCK))
 	@rm -f $(VENV)/.installed-* && touch $@
 
 demo: $(STAMP)
@@ -85,8 +86,7 @@ test-latest: system-deps | $(BIN)/uv
 	@test -x $(LATEST)/bin/python || $(PYTHON) -m venv $(LATEST)
 	$(COMPILE) --python-version 3.11 --extra dev pyproject.toml --upgrade -o $(LATEST)/requirements.txt
 	$(BIN)/python .ci/lockdiff.py $(LOCK) $(LATEST)/requirements.txt
-	$(BIN)/uv pip sync --quiet --python $(LATEST)/bin/python --require-hashes $(LATEST)/requirements.txt
-	$(BIN)/uv pip install --quiet --python $(LATEST)/bin/python --no-deps --no-build-isolation -e .
+	$(call install,$(LATEST),$(LATEST)/requirements.txt)
 	$(LATEST)/bin/ruff check .
 	$(LATEST)/bin/pytest -m "not slow"
 
