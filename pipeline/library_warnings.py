@@ -19,7 +19,7 @@ import logging.handlers
 import os
 import sys
 import warnings
-from typing import Any, TextIO
+from typing import Any
 
 VERBOSE_ENV = "PIPELINE_VERBOSE"
 """Set to 1 to print library warnings (and the project's debug log) to stderr; `--verbose` sets it for children."""
@@ -47,9 +47,9 @@ def route_library_warnings() -> None:
         show_debug_log()
 
 
-def show_debug_log(stream: TextIO | None = None) -> None:
-    """Print the held library warnings and every later one to `stream` (stderr), here and in child processes."""
+def show_debug_log() -> None:
+    """Print the held library warnings and every later one to stderr, here and in the processes started from here."""
     os.environ[VERBOSE_ENV] = "1"
-    _held.setTarget(logging.StreamHandler(stream or sys.stderr))
+    _held.setTarget(logging.StreamHandler(sys.stderr))
     _held.flushLevel = logging.DEBUG
     _held.flush()
