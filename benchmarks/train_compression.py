@@ -27,18 +27,18 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.weaklink import WeakLink, unavailable  # noqa: E402
-from pipeline.config import CompressionMethod  # noqa: E402
+from pipeline.train.compression import registry  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 VARIANTS = {"localsgd_int8": ("localsgd", {"train.localsgd_int8": True})}
 """Rows that are one `train.compression` with a knob set: name -> (method, settings)."""
-METHODS = (*get_args(CompressionMethod), *VARIANTS)
+METHODS = (*registry.METHODS, *VARIANTS)
 PORT = 29400
 TRAIN = {"batch_size": 32, "lr": 3e-3, "precision": "fp32", "pg_timeout_s": 600}
 """The job's settings; every compression knob (warm-up, rank, fraction, period, auto's) stays at its default."""

@@ -26,11 +26,6 @@ DEFAULT_CONFIG = Path(__file__).with_name("defaults") / "quickstart.toml"
 """The embedded quickstart, shipped inside the package (configs/quickstart.toml in the repo links to it)."""
 
 
-CompressionMethod = Literal["none", "fp16", "bf16", "powersgd", "topk", "sign", "localsgd", "auto"]
-FSDP_COMPRESSION: tuple[CompressionMethod, ...] = ("none", "fp16", "bf16")
-"""The compression methods FSDP can use (its reduce-scatter casts); the others hook DDP's buckets, so DDP only."""
-
-
 class Section(BaseModel):
     """Base for config tables: unknown keys are errors, field docstrings become descriptions."""
 
@@ -132,20 +127,18 @@ class TrainConfig(Section):
     precision: Literal["auto", "fp32", "bf16-mixed", "fp16-mixed"] = "auto"
     """`auto` is bf16 autocast on GPUs that support it and fp32 on CPU, where bf16 buys no speed. `fp16-mixed`
     scales the loss (GradScaler); fp16 autocast is very slow on CPU."""
-    compression: CompressionMethod = "none"
-    """Gradient compression. DDP: `fp16`/`bf16` halve the bytes; `powersgd` (low rank, `powersgd_rank`), `topk`
-    (largest `topk_fraction` of entries) and `sign` (1 bit per entry and one fp32 scale per output channel; vectors
-    and tensors under 1,024 entries go whole) keep what they did not send as error feedback; `localsgd` trains
-    locally and averages the models every `localsgd_period` steps;
-    `auto` measures the link, the step's compute and each method's cost after warm-up and every
-    `compression_auto_every_steps` steps, and runs the method predicted fastest (none, fp16, powersgd, topk, sign).
-    FSDP: only `none`, or `fp16`/`bf16` for a low-precision reduce-scatter."""
+    compression: str = "none"
+    """Gradient compression method, by name: the table in docs/compression.md lists them, what each sends and which
+    FSDP can use (it is generated from the methods' registry, `pipeline/train/compression/registry.py`, which the
+    train stage checks this name and its settings against before any rank starts). `none` is plain all-reduce;
+    `auto` measures the link and the methods and runs the fastest."""
     compression_warmup_epochs: float = Field(1.0, ge=0.0)
     """Epochs of plain all-reduce before `powersgd`, `topk`, `sign`, `localsgd` or `auto` start: compressing the
     large gradients of the first steps costs accuracy (docs/measurements.md#compression-warm-up). Counted from the
     run's first step: a resumed run goes on compressing (PowerSGD after 2 plain steps, to rebuild its buckets)."""
     compression_warmup_steps: int | None = Field(None, ge=0)
-    """Warm-up in optimizer steps instead of `compression_warmup_epochs` (`powersgd` needs >= 2); unset: epochs."""
+    """Warm-up in optimizer steps instead of `compression_warmup_epochs` (`powersgd` and `auto` need >= 2); unset:
+    epochs."""
     powersgd_rank: int = Field(8, ge=1)
     """Rank of PowerSGD's low-rank approximation: bytes grow linearly with it, and below 8 the quickstart and
     resnet18 lost more than a point against `none` (docs/measurements.md#powersgd-rank)."""
@@ -217,19 +210,6 @@ class TrainConfig(Section):
     while at least MIN remain, and a device that comes back rejoins up to MAX. Unset: every device of the
     inventory, none may leave. Not the CLI's `pipeline train --nnodes`, which is torchrun's fixed node count for
     one job across hosts on a shared filesystem (no inventory)."""
-
-    @model_validator(mode="after")
-    def _compatible(self) -> TrainConfig:
-        if (
-            self.compression == "powersgd"
-            and self.compression_warmup_steps is not None
-            and self.compression_warmup_steps < 2
-        ):
-            raise ValueError("train.compression_warmup_steps must be >= 2 for powersgd (its error feedback)")
-        if self.strategy == "fsdp" and self.compression not in FSDP_COMPRESSION:
-            fsdp = ", ".join(FSDP_COMPRESSION)
-            raise ValueError(f"train.compression {self.compression!r} works with DDP only (fsdp: {fsdp})")
-        return self
 
 
 class ExportConfig(Section):

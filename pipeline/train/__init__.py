@@ -88,7 +88,9 @@ def run(
     def body() -> StageResult:
         if cfg.train.inventory is not None:
             from pipeline.train.cluster import rounds  # asyncssh and the fleet: only for cluster training
+            from pipeline.train.compression import registry
 
+            registry.check(cfg.train)  # before any device is asked: the launcher's preflight does it for torchrun
             run.save_config(cfg)  # what every device is sent
             rounds.run_on_devices(cfg, run.path, output)
         else:

@@ -20,6 +20,7 @@ from pipeline.config import Config, TrainConfig
 from pipeline.errors import PipelineError
 from pipeline.layout import CONFIG_SNAPSHOT
 from pipeline.manifest import RunDir
+from pipeline.train.compression import registry
 from pipeline.train.launch import procgroup
 from pipeline.train.rank import checkpoint, finetune, runtime
 
@@ -85,6 +86,7 @@ def environment(cfg: TrainConfig) -> dict[str, str]:
 def preflight(cfg: Config) -> None:
     """Reject configs that cannot train before any process starts, so the user gets one line, not N tracebacks."""
     runtime.resolve_backend(cfg.train)
+    registry.check(cfg.train)
     data.check_source(cfg.data)
     spec = models.spec_for(cfg.model.name)
     if cfg.data.image_size < spec.min_size:

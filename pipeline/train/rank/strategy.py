@@ -17,10 +17,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
-from pipeline.config import FSDP_COMPRESSION, TrainConfig
+from pipeline.config import TrainConfig
 from pipeline.errors import PipelineError
-from pipeline.train import compression
-from pipeline.train.compression import CommCounter, Compression
+from pipeline.train.compression import registry
+from pipeline.train.compression.method import CommCounter, Compression
 from pipeline.train.rank.fsdp2 import NEEDS_CUDA, FSDPModule, MixedPrecisionPolicy, fully_shard
 from pipeline.train.rank.runtime import Runtime
 
@@ -28,7 +28,6 @@ ADAM_STATES = 2
 """Optimizer tensors per parameter (AdamW: exp_avg, exp_avg_sq)."""
 HOST_MEMORY_SHARE = 0.8
 """Share of available host memory the ranks of a node may plan to use, split evenly between them."""
-_LOW_PRECISION = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -117,7 +116,7 @@ def choose(model: nn.Module, sample: torch.Tensor, batch: int, cfg: TrainConfig,
         return "ddp", f"DDP needs ~{mib['ddp']} per rank, within the {mib['budget']} budget"
     if NEEDS_CUDA and rt.device.type != "cuda":
         return "ddp", f"DDP needs ~{mib['ddp']} > {mib['budget']}, but torch {torch.__version__}'s FSDP2 needs CUDA"
-    if cfg.compression not in FSDP_COMPRESSION:
+    if not registry.method(cfg).fsdp:
         return "ddp", f"DDP needs ~{mib['ddp']} > {mib['budget']}, but compression {cfg.compression} needs DDP"
     return "fsdp", f"DDP needs ~{mib['ddp']} > {mib['budget']} budget; FSDP needs ~{mib['fsdp']} per rank"
 
@@ -125,7 +124,7 @@ def choose(model: nn.Module, sample: torch.Tensor, batch: int, cfg: TrainConfig,
 def fsdp_policy(cfg: TrainConfig, precision: str) -> MixedPrecisionPolicy:
     """bf16 compute for `bf16-mixed`; the reduce-scatter in fp16/bf16 when compression asks for it."""
     param = torch.bfloat16 if precision == "bf16-mixed" else None
-    reduce = _LOW_PRECISION.get(cfg.compression)
+    reduce = registry.method(cfg).reduce_dtype
     if reduce is None and param is not None:
         reduce = torch.float32  # gradients are averaged in fp32 unless compression says otherwise
     return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
@@ -146,8 +145,8 @@ class _FixedPayload(Compression):
 
     timed = False
 
-    def __init__(self, nbytes: int) -> None:
-        super().__init__(CommCounter())
+    def __init__(self, nbytes: int, name: str) -> None:
+        super().__init__(CommCounter(), name)
         self.nbytes = nbytes
 
     def after_step(self, model: nn.Module) -> None:
@@ -155,8 +154,11 @@ class _FixedPayload(Compression):
         self.counter.add(self.nbytes)
 
 
-def wrap(model: nn.Module, cfg: TrainConfig, rt: Runtime, name: str = "ddp") -> tuple[nn.Module, Compression]:
-    """Move `model` to this rank's device and wrap it as `name` (ddp or fsdp); return it and its compression."""
+def wrap(
+    model: nn.Module, cfg: TrainConfig, rt: Runtime, name: str = "ddp", warmup: int = 0
+) -> tuple[nn.Module, Compression]:
+    """Move `model` to this rank's device and wrap it as `name` (ddp or fsdp); return it and its compression, which
+    under DDP runs plain all-reduce for `warmup` more steps (registry.warmup_steps)."""
     model = model.to(rt.device)
     if name == "fsdp":
         policy = fsdp_policy(cfg, rt.precision)
@@ -171,13 +173,13 @@ def wrap(model: nn.Module, cfg: TrainConfig, rt: Runtime, name: str = "ddp") -> 
             if not isinstance(block, FSDPModule):  # a lone norm layer (resnet's stem bn1) is a unit already
                 fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
-        return model, _FixedPayload(payload)
+        return model, _FixedPayload(payload, cfg.compression)
     device_ids = [rt.device.index] if rt.device.type == "cuda" else None
     # One bucket for the blocking methods; DDP's default 25 MiB buckets let plain all-reduces overlap the backward.
-    blocking = cfg.compression in compression.BLOCKING
+    blocking = registry.method(cfg).blocking
     one_bucket = math.ceil(_nbytes(list(model.parameters())) / 2**20) + 1 if blocking else None
     ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=one_bucket)
-    return ddp, compression.install(ddp, cfg)
+    return ddp, registry.install(ddp, cfg, warmup)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

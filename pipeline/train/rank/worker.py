@@ -12,15 +12,13 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterator
-from itertools import islice
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, DistributedSampler, Sampler, Subset
+from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 import models
@@ -30,8 +28,8 @@ from pipeline.errors import PipelineError
 from pipeline.files import write_json
 from pipeline.library_warnings import route_library_warnings
 from pipeline.manifest import RunDir
-from pipeline.train import compression
-from pipeline.train.rank import batchnorm, checkpoint, finetune, plan, runtime, stepping, strategy, thermal
+from pipeline.train.compression import registry
+from pipeline.train.rank import batchnorm, checkpoint, finetune, plan, runtime, sampling, stepping, strategy, thermal
 from pipeline.train.rank.metrics import MetricsLog
 from pipeline.train.rank.runtime import Runtime
 
@@ -47,76 +45,33 @@ def per_rank_batch(global_batch: int, world_size: int) -> int:
     return global_batch // world_size
 
 
-class ResumableSampler(Sampler[int]):
-    """A DistributedSampler that can start an epoch part-way, after the samples a checkpoint says were done."""
-
-    def __init__(self, inner: DistributedSampler | NodeSampler) -> None:
-        self.inner, self.skip = inner, 0
-
-    def __iter__(self) -> Iterator[int]:
-        return islice(iter(self.inner), self.skip, None)
-
-    def __len__(self) -> int:
-        return len(self.inner) - self.skip
-
-
-class NodeSampler(Sampler[int]):
-    """Node-local data (each device its own folder): this rank's share of its device's images, `per_rank` of them
-    per epoch, drawn afresh each epoch. `per_rank` is the same on every rank of the job, so every rank runs the same
-    number of steps (a collective waits for all); a device with more images contributes a different subset of them
-    each epoch."""
-
-    def __init__(self, size: int, per_rank: int, replicas: int, rank: int, seed: int) -> None:
-        self.size, self.per_rank, self.replicas, self.rank, self.seed = size, per_rank, replicas, rank, seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        """Draw the next epoch's images (as DistributedSampler.set_epoch)."""
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[int]:
-        gen = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(self.size, generator=gen)[: self.per_rank * self.replicas]
-        return iter(order[self.rank :: self.replicas].tolist())
-
-    def __len__(self) -> int:
-        return self.per_rank
-
-
-def node_samplers(train_size: int, eval_size: int, seed: int, device: torch.device) -> tuple[NodeSampler, ...]:
-    """(train, unaugmented-train) samplers over this device's own images, shared among its local ranks."""
-    local, replicas = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    fewest = torch.tensor([train_size // replicas, eval_size // replicas], device=device)
-    dist.all_reduce(fewest, op=dist.ReduceOp.MIN)  # the smallest device's share sets every rank's
-    train, plain = (int(n) for n in fewest.tolist())
-    return NodeSampler(train_size, train, replicas, local, seed), NodeSampler(eval_size, plain, replicas, local, seed)
-
-
-def _train_size(own: int, rt: Runtime) -> int:
-    """The training split `train.* = "auto"` plans for. With each device's own images, every rank must plan the same
-    batch and epochs (or the collectives hang): the smallest device's count, once per device."""
-    if not runtime.node_local_data():
-        return own
-    smallest = torch.tensor([own], device=rt.device)
-    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
-    return int(smallest.item()) * (rt.world_size // int(os.environ["LOCAL_WORLD_SIZE"]))
-
-
 class Trainer:
     """Model, optimizer and data of one rank, and the epoch loop around them."""
 
     def __init__(self, cfg: Config, run_dir: Path, rt: Runtime) -> None:
         self.cfg, self.run_dir, self.rt = cfg, run_dir, rt
+        splits = self._load_data()
+        self._make_loaders(splits)
+        net, frozen = self._build_model(tuple(splits.train[0][0].shape))
+        self.strategy, reason = strategy.choose(net, torch.zeros(1, *self.input_shape), self.batch, cfg.train, rt)
+        if rt.is_main:
+            print(f"strategy: {self.strategy} ({reason})", file=sys.stderr)
+        self.ckpt_root = run_dir / layout.CHECKPOINTS
+        self.resume_from = checkpoint.resumable(self.ckpt_root, cfg)
+        self._wrap(net, frozen)
+        self._count_steps()
+
+    def _load_data(self) -> data.Splits:
+        """Load this rank's splits and plan batch, epochs and rate for them; rank 0 says what it decided."""
+        cfg, rt, weights = self.cfg, self.rt, self.cfg.model.weights
         channels = models.spec_for(cfg.model.name).channels
-        weights = cfg.model.weights
         prior = modelfile.recorded_stats(weights) if weights is not None else None
         splits = data.load(
             runtime.data_config(cfg.data), cfg.run.seed, channels=channels, pretrained=weights is not None, prior=prior
         )
         self.info, self.skipped = splits.info, splits.skipped
-        self.plan = plan.plan(
-            cfg.train, _train_size(len(splits.train), rt), rt.world_size, pretrained=weights is not None
-        )
+        planned = sampling.train_size_to_plan(len(splits.train), rt)
+        self.plan = plan.plan(cfg.train, planned, rt.world_size, pretrained=weights is not None)
         if rt.is_main:
             lines = (
                 [f"data: skipped {len(self.skipped)} unreadable image(s), first {self.skipped[0]}"]
@@ -125,61 +80,58 @@ class Trainer:
             )
             lines += [*self.plan.why, f"data.normalize {cfg.data.normalize}: {self.info.normalization} statistics"]
             print("\n".join(lines), file=sys.stderr)
-        self.sampler: DistributedSampler | NodeSampler
-        self.plain_sampler: DistributedSampler | NodeSampler
-        shards, shard = rt.world_size, rt.rank
-        if runtime.node_local_data():
-            # Each device's images are its own: its ranks share them, and validation counts every device's.
-            shards, shard = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-            sizes = (len(splits.train), len(splits.train_eval))  # type: ignore[arg-type]
-            self.sampler, self.plain_sampler = node_samplers(*sizes, cfg.run.seed, rt.device)
-        else:
-            self.sampler = DistributedSampler(splits.train, rt.world_size, rt.rank, shuffle=True, seed=cfg.run.seed)
-            # Unaugmented training images, as validation sees them: BatchNorm statistics are for eval-time inputs.
-            self.plain_sampler = DistributedSampler(splits.train_eval, rt.world_size, rt.rank, seed=cfg.run.seed)
-        batch = per_rank_batch(self.plan.batch_size, rt.world_size)
-        self.batch = batch
-        self.resumable = ResumableSampler(self.sampler)
-        self.train_loader = DataLoader(splits.train, batch_size=batch, sampler=self.resumable)
-        # Disjoint strided shards: every validation image is counted exactly once across ranks.
-        own_val = Subset(splits.val, range(shard, len(splits.val), shards))
-        self.val_loader = DataLoader(own_val, batch_size=VAL_BATCH)
-        self.plain_loader = DataLoader(splits.train_eval, batch_size=batch, sampler=self.plain_sampler)
-        self.input_shape = tuple(splits.train[0][0].shape)
+        return splits
+
+    def _make_loaders(self, splits: data.Splits) -> None:
+        """This rank's training, unaugmented-training and validation loaders."""
+        cfg, rt = self.cfg, self.rt
+        self.sampler, self.plain_sampler = sampling.samplers(splits, cfg.run.seed, rt)
+        self.batch = per_rank_batch(self.plan.batch_size, rt.world_size)
+        self.resumable = sampling.ResumableSampler(self.sampler)
+        self.train_loader = DataLoader(splits.train, batch_size=self.batch, sampler=self.resumable)
+        self.val_loader = DataLoader(sampling.own_validation(splits.val, rt), batch_size=VAL_BATCH)
+        self.plain_loader = DataLoader(splits.train_eval, batch_size=self.batch, sampler=self.plain_sampler)
+
+    def _build_model(self, input_shape: tuple[int, ...]) -> tuple[torch.nn.Module, set[str]]:
+        """The model, the same on every rank (seeded, then checked), with `model.weights` loaded; and the names of the
+        parameters `model.freeze` freezes."""
+        cfg = self.cfg
+        self.input_shape = input_shape
         torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
         net = models.build_model(cfg.model.name, len(self.info.classes), self.info.channels)
         self.dropped = self._load_weights(net)
         frozen = finetune.frozen_names(net, cfg.model.name, cfg.model.freeze)
-        stepping.assert_same_weights(net, rt.device)
-        self.strategy, reason = strategy.choose(net, torch.zeros(1, *self.input_shape), batch, cfg.train, rt)
-        if rt.is_main:
-            print(f"strategy: {self.strategy} ({reason})", file=sys.stderr)
-        self.ckpt_root = run_dir / layout.CHECKPOINTS
-        self.resume_from = checkpoint.resumable(self.ckpt_root, cfg)
+        stepping.assert_same_weights(net, self.rt.device)
+        return net, frozen
+
+    def _wrap(self, net: torch.nn.Module, frozen: set[str]) -> None:
+        """Spread the model over the ranks with its compression, and build the optimizer and loss scaler."""
+        cfg, rt = self.cfg, self.rt
         # The hooks count the warm-up in steps from here: a resumed run has done part or all of it already.
         done = checkpoint.read_meta(self.resume_from)["step"] if self.resume_from else 0
-        warmup = compression.warmup_steps(cfg.train, len(self.train_loader), done)
-        hooked = cfg.train.model_copy(update={"compression_warmup_steps": warmup})
-        self.model, self.comm = strategy.wrap(net, hooked, rt, self.strategy)
-        self.comm.name = self.comm.name or cfg.train.compression
+        warmup = registry.warmup_steps(cfg.train, len(self.train_loader), done)
+        self.model, self.comm = strategy.wrap(net, cfg.train, rt, self.strategy, warmup)
         # FSDP swaps parameters for sharded ones in place and DDP wraps them: find them by name after wrapping.
         self.frozen = [p for n, p in strategy.unwrap(self.model).named_parameters() if n in frozen]
         self.freezing = False
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=self.plan.lr, weight_decay=cfg.train.weight_decay)
         self.scaler = stepping.make_scaler(rt, self.model)
+
+    def _count_steps(self) -> None:
+        """The schedule in steps, the heat controller, the checkpointer and the counters the loop keeps."""
+        train = self.cfg.train
         self.event: str | None = None
-        sensor = thermal.sensor(cfg.train.thermal_path)
-        limit, every = cfg.train.thermal_limit_c, cfg.train.thermal_every_steps
-        self.thermal = thermal.Controller(cfg.train.accumulation, limit, sensor, every, max_factor=batch)
+        sensor = thermal.sensor(train.thermal_path)
+        limit, every = train.thermal_limit_c, train.thermal_every_steps
+        self.thermal = thermal.Controller(train.accumulation, limit, sensor, every, max_factor=self.batch)
         self.steps_per_epoch = len(self.train_loader)
         self.total_steps = self.plan.epochs * self.steps_per_epoch
-        self.warmup_steps = min(round(cfg.train.warmup_epochs * self.steps_per_epoch), self.total_steps)
-        self.frozen_steps = cfg.model.freeze_epochs * self.steps_per_epoch
+        self.warmup_steps = min(round(train.warmup_epochs * self.steps_per_epoch), self.total_steps)
+        self.frozen_steps = self.cfg.model.freeze_epochs * self.steps_per_epoch
         self.bn_images = 0
         self.modes: batchnorm.ModeCheck | None = None
-        self.checkpointer = checkpoint.Checkpointer(
-            self.ckpt_root, cfg.train.keep_checkpoints, checkpoint.background(cfg.train.checkpoint_async, rt.device)
-        )
+        background = checkpoint.background(train.checkpoint_async, self.rt.device)
+        self.checkpointer = checkpoint.Checkpointer(self.ckpt_root, train.keep_checkpoints, background)
         self.samples = 0
         self.train_seconds = 0.0
 

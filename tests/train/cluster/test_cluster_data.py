@@ -120,7 +120,7 @@ def test_node_local_data_is_fingerprinted_on_every_device(jetson_fleet, forwardi
 def test_node_sampler_shares_a_devices_images_among_its_ranks_in_equal_steps() -> None:
     """Node-local data: the device's ranks split its images without overlap, take as many as the smallest device's
     share allows (so every rank of the job runs as many steps), and draw other images in the next epoch."""
-    from pipeline.train.rank.worker import NodeSampler
+    from pipeline.train.rank.sampling import NodeSampler
 
     ranks = [NodeSampler(13, 5, 2, rank, seed=0) for rank in range(2)]
     first = [list(r) for r in ranks]

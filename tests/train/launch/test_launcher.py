@@ -90,10 +90,18 @@ def test_a_foreign_checkpoint_is_refused_before_the_snapshot_changes(tmp_path: P
     assert run.load_config() == first
 
 
-def test_a_batch_larger_than_the_training_split_is_one_line(tmp_path: Path) -> None:
-    """digits has ~1,400 training images: a global batch of 5,000 is refused before any rank starts."""
+@pytest.mark.parametrize(
+    ("setting", "error"),
+    [
+        # digits has ~1,400 training images: a global batch of 5,000 is refused before any rank starts.
+        ("train.batch_size=5000", "error: train.batch_size: 5000 is larger than the training split (1437 images"),
+        # The compression registry's names are the accepted ones.
+        ("train.compression=gzip", "error: train.compression: 'gzip' is not a method (one of: none, fp16, bf16, "),
+    ],
+)
+def test_a_config_that_cannot_train_is_one_line_before_any_rank(tmp_path: Path, setting: str, error: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "pipeline", "train", "--run-dir", "run", "--set", "train.batch_size=5000"],
+        [sys.executable, "-m", "pipeline", "train", "--run-dir", "run", "--set", setting],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -101,5 +109,5 @@ def test_a_batch_larger_than_the_training_split_is_one_line(tmp_path: Path) -> N
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
-    assert proc.stderr.startswith("error: train.batch_size: 5000 is larger than the training split (1437 images")
+    assert proc.stderr.startswith(error)
     assert not (tmp_path / "run/train").exists()

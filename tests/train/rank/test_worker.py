@@ -10,7 +10,7 @@ from pipeline import data, train
 from pipeline.config import validate
 from pipeline.errors import PipelineError
 from pipeline.files import sha256_file
-from pipeline.train.compression import CommCounter
+from pipeline.train.compression.method import CommCounter
 from pipeline.train.rank.worker import per_rank_batch
 
 

@@ -14,9 +14,9 @@ import torch.distributed as dist
 import models
 from pipeline import layout
 from pipeline.config import validate
-from pipeline.train import compression
-from pipeline.train.compression import auto_compression
-from pipeline.train.compression.auto_compression import WINDOW, Cost, Decision, LinkSample, LinkWatch, Policy, predict
+from pipeline.train.compression import auto, registry, sign, sparse, topk
+from pipeline.train.compression.auto import WINDOW, Cost, Decision, LinkSample, LinkWatch, Policy, predict
+from pipeline.train.compression.method import CommCounter, CountingState
 from pipeline.train.rank import runtime
 from pipeline.train.rank.worker import Trainer
 from tests.train.ranks import run_ranks
@@ -25,10 +25,11 @@ from tests.train.ranks import run_ranks
 COSTS = [
     Cost("none", 44_700_000, 0.0),
     Cost("fp16", 22_350_000, 0.03),
-    Cost("powersgd", 620_000, 0.08),
-    Cost("topk", 890_000, 0.35),
-    Cost("sign", 1_400_000, 0.55),
+    Cost("powersgd", 620_000, 0.08, rounds=3),
+    Cost("topk", 890_000, 0.35, gathers=True),
+    Cost("sign", 1_400_000, 0.55, gathers=True),
 ]
+CANDIDATES = [m for m in registry.METHODS.values() if m.auto]
 LOOPBACK = LinkSample(latency_s=0.0002, s_per_byte=1 / 2e9)  # 16 Gbit/s
 WEAK = LinkSample(latency_s=0.045, s_per_byte=1 / 12e6)  # ~100 Mbit/s, 40 ms RTT
 COMPUTE = 0.25
@@ -43,9 +44,9 @@ def test_a_link_sample_is_latency_plus_a_rate() -> None:
 
 def test_prediction_adds_compute_encoding_round_trips_and_bytes() -> None:
     link = LinkSample(0.01, 1e-6)
-    assert predict(Cost("powersgd", 1000, 0.1), link, 1.0, 2) == pytest.approx(1.0 + 0.1 + 3 * 0.01 + 1000e-6)
+    assert predict(Cost("powersgd", 1000, 0.1, rounds=3), link, 1.0, 2) == pytest.approx(1.0 + 0.1 + 3 * 0.01 + 1000e-6)
     # An all_gather receives every other rank's payload: twice a 2-rank all-reduce's share at 4 ranks.
-    assert predict(Cost("topk", 1000, 0.0), link, 0.0, 4) == pytest.approx(0.01 + 2 * 1000e-6)
+    assert predict(Cost("topk", 1000, 0.0, gathers=True), link, 0.0, 4) == pytest.approx(0.01 + 2 * 1000e-6)
 
 
 def test_first_decision_picks_the_fastest_for_the_link() -> None:
@@ -106,20 +107,23 @@ def test_the_link_is_sampled_again_only_when_the_hooks_time_moves_or_to_recheck(
 def test_payload_model_matches_what_the_hooks_count() -> None:
     params = list(models.build_model("small_cnn", 10, 1).parameters())
     numel = sum(p.numel() for p in params)
-    knobs = compression.Knobs(0, 4, compression.default_topk_fraction(numel), 8)
-    assert auto_compression.payload_bytes("none", params, knobs) == 4 * numel
-    assert auto_compression.payload_bytes("topk", params, knobs) == 8 * compression.topk_size(numel, 0.1)
-    # The same sizes tests/train/compression/test_compression.py checks against every hook's counted bytes.
-    assert auto_compression.payload_bytes("sign", params, knobs) == compression.sign_size(params)
+    cfg = validate({"train": {"compression": "auto", "powersgd_rank": 4}}, "test").train
+    knobs = registry.knobs(cfg, models.build_model("small_cnn", 10, 1), 0)
+    payload = {m.name: m.payload_bytes(params, knobs) for m in CANDIDATES if m.payload_bytes}
+    assert payload["none"] == 4 * numel
+    assert payload["topk"] == 8 * topk.size(numel, 0.1)
+    # The same sizes tests/train/compression/test_registry.py checks against every hook's counted bytes.
+    assert payload["sign"] == sign.size(params)
 
 
 def test_encoding_costs_are_measured_for_every_candidate() -> None:
-    params = list(models.build_model("small_cnn", 10, 1).parameters())
-    knobs = compression.Knobs(0, 4, 0.1, 8)
+    model = models.build_model("small_cnn", 10, 1)
+    params = list(model.parameters())
+    knobs = registry.knobs(validate({"train": {"compression": "auto"}}, "test").train, model, 0)
     # The compressors divide by the group's size: a one-rank group in this process (they do not communicate here).
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        costs = {m: auto_compression.encode_seconds(m, params, knobs, 2) for m in auto_compression.CANDIDATES}
+        costs = {m.name: auto.encode_seconds(m, params, knobs, 2) for m in CANDIDATES}
     finally:
         dist.destroy_process_group()
     assert costs["none"] == 0.0
@@ -177,7 +181,7 @@ def test_auto_records_decisions_that_every_rank_follows(auto_run: Path) -> None:
     assert ranks[0]["decisions"] == ranks[1]["decisions"] == chosen
     for r in decided:
         d = r["compression_decision"]
-        assert d["mbit_per_s"] > 0 and d["compute_s"] > 0 and set(d["predicted_s"]) == set(auto_compression.CANDIDATES)
+        assert d["mbit_per_s"] > 0 and d["compute_s"] > 0 and set(d["predicted_s"]) == {m.name for m in CANDIDATES}
     # Each step line names the method that ran it; the summary adds up their wall time.
     steps = [r for r in lines if "step" in r and "loss" in r]
     assert all(r["compression"] == "none" for r in steps if r["step"] <= 23)
@@ -189,8 +193,8 @@ def test_auto_records_decisions_that_every_rank_follows(auto_run: Path) -> None:
 
 
 def test_switching_carries_what_error_feedback_has_not_sent() -> None:
-    sparse = compression._SparseState(None, compression.CommCounter(), compression._Steps(0))
-    sparse.residuals[0] = torch.ones(5)
-    assert torch.equal(auto_compression.residuals(sparse)[0], torch.ones(5))
-    ddp_state = compression._CountingState(None, compression.CommCounter())
-    assert auto_compression.residuals(ddp_state) == {}  # plain all-reduce sends everything
+    state = sparse.SparseState(None, CommCounter(), sparse.Steps(0))
+    state.residuals[0] = torch.ones(5)
+    assert torch.equal(registry.METHODS["topk"].residuals(state)[0], torch.ones(5))
+    ddp_state = CountingState(None, CommCounter())
+    assert registry.METHODS["none"].residuals(ddp_state) == {}  # plain all-reduce sends everything

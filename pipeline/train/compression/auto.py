@@ -10,8 +10,12 @@ rank's numbers; from them every rank predicts each candidate's step time (:func:
 at the same step and issues the same collectives in the same order, with no broadcast.
 
 DDP takes one communication hook for its lifetime: the registered hook dispatches to the running method's own
-(state, hook) from :data:`compression.HOOKS`. On a switch the old method's error feedback (what it has not sent yet)
-is carried: it is added to the next step's gradient, which the new method then sends, and the old state is dropped.
+(state, hook). On a switch the old method's error feedback (what it has not sent yet) is carried: it is added to the
+next step's gradient, which the new method then sends, and the old state is dropped.
+
+`auto` knows the other methods only through their records (:class:`~.method.Method`): it chooses among those marked
+`auto`, predicts from their `payload_bytes`, `rounds` and `gathers`, times their `encoder` and carries their
+`residuals`.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as live objects (GradBucket, Future).
@@ -19,20 +23,17 @@ import statistics
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from pipeline.config import TrainConfig
-from pipeline.train import compression
-from pipeline.train.compression import CommCounter, Compression, Knobs
+from pipeline.train.compression.method import CommCounter, CommHook, Compression, Knobs, LocalBucket, Method, timed
 
 PROBE_BYTES = 512 * 1024
 """Size of the timed all-reduce: above tbf's and most NICs' bursts, yet 0.4 s at 10 Mbit/s."""
@@ -50,14 +51,8 @@ shared machine moves them by 20-30% from one measurement to the next; a link cha
 enough to change the best method, moves them further. Smaller changes wait for the :data:`RECHECK`."""
 WATCH_FLOOR_S = 0.005
 """Smallest move of the running method's hook seconds per step that counts as the link changing."""
-CANDIDATES = ("none", "fp16", "powersgd", "topk", "sign")
-"""Methods `auto` chooses from: gradient hooks that can take over from each other at any step (local SGD changes
-what is averaged, the model, and is not among them)."""
-ROUNDS = {"none": 1, "fp16": 1, "powersgd": 3, "topk": 1, "sign": 1}
-"""Collectives each method runs one after the other per step (PowerSGD: the uncompressed tensors, P, then Q)."""
-GATHERS = ("topk", "sign")
-"""Methods that all_gather: each rank receives every other rank's payload, (n - 1)·p bytes, where a ring
-all-reduce moves 2(n - 1)/n·p."""
+BASELINE = "none"
+"""The method warm-up runs and the first decision measures the others against: plain all-reduce."""
 
 
 @dataclass(frozen=True)
@@ -95,12 +90,17 @@ class Cost:
     """Bytes it hands to collectives per step (as `comm_bytes` counts them)."""
     encode_s: float
     """Seconds of compressing and decompressing a step's gradients, measured on this model."""
+    rounds: int = 1
+    """Collectives it runs one after the other per step (:attr:`.method.Method.rounds`)."""
+    gathers: bool = False
+    """Whether it all_gathers: each rank receives every other rank's payload, (n - 1)·p bytes, where a ring
+    all-reduce moves 2(n - 1)/n·p."""
 
 
 def predict(cost: Cost, link: LinkSample, compute_s: float, world: int) -> float:
     """Predicted seconds per step: compute, encoding, a latency per sequential collective, and the payload's time."""
-    per_byte = link.s_per_byte * (world / 2 if cost.method in GATHERS else 1.0)
-    return compute_s + cost.encode_s + ROUNDS[cost.method] * link.latency_s + cost.payload_bytes * per_byte
+    per_byte = link.s_per_byte * (world / 2 if cost.gathers else 1.0)
+    return compute_s + cost.encode_s + cost.rounds * link.latency_s + cost.payload_bytes * per_byte
 
 
 @dataclass(frozen=True)
@@ -158,9 +158,9 @@ class Policy:
         previous, method = self.current, self.current
         if previous is None or previous not in predicted:
             # Warm-up ran plain all-reduce: compressing must pay for itself by the band from the start too.
-            gain = "none" in predicted and predicted[best] > (1 - self.band) * predicted["none"]
-            method = "none" if gain else best
-            reason = f"first measurement{f', {best} within {self.band:.0%} of none' if gain else ''}"
+            gain = BASELINE in predicted and predicted[best] > (1 - self.band) * predicted[BASELINE]
+            method = BASELINE if gain else best
+            reason = f"first measurement{f', {best} within {self.band:.0%} of {BASELINE}' if gain else ''}"
         elif best == previous:
             self.streak, reason = ("", 0), "fastest"
         elif predicted[best] > (1 - self.band) * predicted[previous]:
@@ -208,59 +208,8 @@ class LinkWatch:
         return 0, f"hook steady at {1000 * hook_s:.1f} ms/step"
 
 
-def payload_bytes(method: str, params: list[torch.Tensor], knobs: Knobs) -> int:
-    """Bytes `method` hands to collectives per step for these parameters in one bucket (fp32 gradients)."""
-    numel = sum(p.numel() for p in params)
-    if method == "none":
-        return 4 * numel
-    if method == "fp16":
-        return 2 * numel
-    if method == "powersgd":
-        return 4 * compression.powersgd_numel([p.shape for p in params], knobs.powersgd_rank)
-    if method == "topk":
-        return 8 * compression.topk_size(numel, knobs.topk_fraction)
-    if method == "sign":
-        return compression.sign_size(params)
-    raise ValueError(f"no payload model for {method}")
-
-
-class _LocalBucket:
-    """The parts of a GradBucket the compressors read, for timing them without DDP."""
-
-    def __init__(self, params: list[torch.Tensor]) -> None:
-        self._params = params
-        self._buffer = torch.randn(sum(p.numel() for p in params), device=params[0].device)
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def index(self) -> int:
-        return 0
-
-    def parameters(self) -> list[torch.Tensor]:
-        return self._params
-
-    def gradients(self) -> list[torch.Tensor]:
-        sizes = [p.numel() for p in self._params]
-        return [g.view_as(p) for g, p in zip(self._buffer.split(sizes), self._params, strict=True)]
-
-    def is_last(self) -> bool:
-        return True
-
-
-class _LocalSparse(compression._SparseState):
-    """Top-k/sign state whose gather decodes `world` copies of this rank's payload instead of communicating."""
-
-    world: int = 2
-
-    def gather(
-        self, payload: torch.Tensor, decode: Callable[[list[torch.Tensor]], torch.Tensor]
-    ) -> torch.futures.Future[torch.Tensor]:
-        return compression._completed(decode([payload.clone() for _ in range(self.world)]))
-
-
 def encode_seconds(
-    method: str,
+    method: Method,
     params: list[torch.Tensor],
     knobs: Knobs,
     world: int,
@@ -268,14 +217,12 @@ def encode_seconds(
     repeats: int = 2,
 ) -> float:
     """Seconds this rank spends compressing and decompressing one step's gradients with `method` (best of
-    `repeats`, after untimed runs), with the link left out: top-k and sign decode `world` payloads of their own;
-    PowerSGD is torch's own hook, run on `own_group`, a group of this rank alone, whose all-reduces cost nothing."""
-    if method == "none":
+    `repeats`, after an untimed run), with the link left out (:attr:`.method.Method.encoder`)."""
+    if method.encoder is None:
         return 0.0
-    bucket = _LocalBucket(params)
-    work = _encoder(method, bucket, knobs, world, own_group)
-    for _ in range(3 if method == "powersgd" else 1):  # PowerSGD all-reduces plainly for its first 2 steps
-        work()
+    bucket = LocalBucket(params)
+    work = method.encoder(bucket, knobs, world, own_group)
+    work()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -283,21 +230,6 @@ def encode_seconds(
         _sync(bucket.buffer().device)
         best = min(best, time.perf_counter() - start)
     return best
-
-
-def _encoder(
-    method: str, bucket: _LocalBucket, knobs: Knobs, world: int, own_group: dist.ProcessGroup | None
-) -> Callable[[], object]:
-    """One step of `method`'s compressing and decompressing of `bucket`, with the state of that method alone."""
-    if method == "fp16":
-        return lambda: bucket.buffer().half().float()
-    if method == "powersgd":
-        state, hook = compression.HOOKS["powersgd"](replace(knobs, warmup_steps=2), own_group, CommCounter())
-        return lambda: hook(state, bucket).wait()  # type: ignore[arg-type]
-    sparse = _LocalSparse(None, CommCounter(), compression._Steps(0))
-    sparse.world = world
-    compress = compression._topk(knobs.topk_fraction) if method == "topk" else compression._sign
-    return lambda: compress(sparse, bucket).wait()  # type: ignore[arg-type]
 
 
 def _sync(device: torch.device) -> None:
@@ -325,9 +257,9 @@ def time_link(group: dist.ProcessGroup | None, device: torch.device) -> LinkSamp
 class _Dispatch:
     """State of the one hook DDP holds: the running method's state and hook, and residuals still to send."""
 
-    method: str
+    method: Method
     state: Any
-    hook: compression.CommHook
+    hook: CommHook
     carry: dict[int, torch.Tensor] = field(default_factory=dict)
     hook_s: float = 0.0
 
@@ -345,29 +277,22 @@ def _dispatch(d: _Dispatch, bucket: dist.GradBucket) -> torch.futures.Future[tor
     return d.hook(d.state, bucket).then(done)
 
 
-def residuals(state: Any) -> dict[int, torch.Tensor]:
-    """What a method's error feedback holds per bucket index and has not sent yet (empty for the exact ones)."""
-    if isinstance(state, compression._SparseState):
-        return dict(state.residuals)
-    if isinstance(state, powerSGD_hook.PowerSGDState):
-        return dict(state.error_dict)
-    return {}
-
-
 class AutoCompression(Compression):
     """The hook dispatcher, the measurements and the decisions of `compression = "auto"` on one rank."""
 
-    def __init__(self, params: list[torch.Tensor], knobs: Knobs, every: int, group: dist.ProcessGroup | None) -> None:
-        super().__init__(CommCounter(), name="none")
-        self.params, self.group, self.every = params, group, every
+    def __init__(
+        self, params: list[torch.Tensor], knobs: Knobs, candidates: Sequence[Method], group: dist.ProcessGroup | None
+    ) -> None:
+        super().__init__(CommCounter(), name=BASELINE)
+        self.params, self.group, self.every = params, group, knobs.train.compression_auto_every_steps
         self.world = dist.get_world_size(group)
         self.is_root = dist.get_rank(group) == 0
         self.device = params[0].device
         self.warmup = knobs.warmup_steps
         # A method taking over mid-run needs no warm-up of its own (PowerSGD still all-reduces its first 2 steps).
         self.knobs = replace(knobs, warmup_steps=0)
-        self.candidates = [m for m in CANDIDATES if self._works(m)]
-        self.dispatch = _Dispatch("none", *compression.HOOKS["none"](self.knobs, group, self.counter))
+        self.candidates = [m for m in candidates if m.refuses(params, self.knobs) is None]
+        self.dispatch = self._start(next(m for m in self.candidates if m.name == BASELINE), {})
         self.policy, self.watch = Policy(self.world), LinkWatch()
         # Every rank creates every one-rank group, in the same order: PowerSGD's cost is timed on this rank's own.
         self.own_group = dist.new_subgroups(group_size=1, group=group)[0]
@@ -381,14 +306,10 @@ class AutoCompression(Compression):
         """(step, method) of every measurement, on every rank: the same list on all of them."""
         self.last: Decision | None = None
 
-    def _works(self, method: str) -> bool:
-        numel = sum(p.numel() for p in self.params)
-        return method != "powersgd" or payload_bytes("powersgd", self.params, self.knobs) < 4 * numel
-
     def after_step(self, model: nn.Module) -> None:
         """Count the step; at a measurement step, measure, decide on rank 0 and switch on every rank."""
         self.steps += 1
-        self.name = self.dispatch.method  # the method that ran this step, whatever is decided now
+        self.name = self.dispatch.method.name  # the method that ran this step, whatever is decided now
         self.step_hook_s, self.dispatch.hook_s = self.dispatch.hook_s, 0.0
         self.probe_s = 0.0
         if self.steps > 1:
@@ -432,9 +353,7 @@ class AutoCompression(Compression):
         slowest = torch.tensor([compute, hook, *encode], dtype=torch.float64, device=self.device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.group)
         compute, hook, *encode = slowest.tolist()
-        self.costs = [
-            Cost(m, payload_bytes(m, self.params, self.knobs), e) for m, e in zip(self.candidates, encode, strict=True)
-        ]
+        self.costs = [self._cost(m, e) for m, e in zip(self.candidates, encode, strict=True)]
         count, why = (WINDOW, "first measurement") if first else self.watch.due(hook)
         if count == WINDOW:
             self.policy.samples.clear()
@@ -445,9 +364,17 @@ class AutoCompression(Compression):
             tqdm.write(f"{self.last.line()}; {count} link samples ({why})", file=sys.stderr)
         method = self.last.method
         self.decisions.append((self.steps, method))
-        if method != self.dispatch.method:
+        if method != self.dispatch.method.name:
             self.watch.baseline = None  # the new method's hook seconds are its own
-            self._switch(method)
+            old = self.dispatch
+            # The old method's unsent error feedback goes out with the new one's first step.
+            new = next(m for m in self.candidates if m.name == method)
+            self.dispatch = self._start(new, {**old.carry, **old.method.residuals(old.state)})
+
+    def _cost(self, method: Method, encode_s: float) -> Cost:
+        assert method.payload_bytes is not None, f"{method.name} is an auto candidate without a payload model"
+        payload = method.payload_bytes(self.params, self.knobs)
+        return Cost(method.name, payload, encode_s, method.rounds, method.gathers)
 
     def _link(self, count: int) -> list[LinkSample]:
         """`count` link samples, each the slowest rank's latency and seconds per byte."""
@@ -460,27 +387,38 @@ class AutoCompression(Compression):
         values = flat.tolist()
         return [LinkSample(values[i], values[i + 1]) for i in range(0, len(values), 2)]
 
-    def _switch(self, method: str) -> None:
-        """Run `method` from the next step on, carrying the old method's unsent residuals into it."""
-        old = self.dispatch
-        state, hook = compression.HOOKS[method](self.knobs, self.group, self.counter)
-        self.dispatch = _Dispatch(method, state, hook, carry={**old.carry, **residuals(old.state)})
+    def _start(self, method: Method, carry: dict[int, torch.Tensor]) -> _Dispatch:
+        """A dispatcher running `method` from the next step on, sending `carry` with its first step."""
+        assert method.hook is not None, f"{method.name} is an auto candidate without a hook"
+        return _Dispatch(method, *method.hook(self.knobs, self.group, self.counter), carry=carry)
 
 
 def install(
-    model: DistributedDataParallel, cfg: TrainConfig, knobs: Knobs, group: dist.ProcessGroup | None = None
+    model: DistributedDataParallel, knobs: Knobs, group: dist.ProcessGroup | None, methods: Sequence[Method]
 ) -> AutoCompression:
-    """Register the dispatching hook on a DDP model (one bucket: see compression.BLOCKING)."""
+    """Register the dispatching hook on a DDP model (one bucket: `auto` blocks), choosing among the `methods`
+    marked for it."""
     params = [p for p in model.module.parameters() if p.requires_grad]
-    auto = AutoCompression(params, knobs, cfg.compression_auto_every_steps, group)
-    model.register_comm_hook(auto.dispatch, compression._timed(auto.counter, _dispatch_current(auto)))
+    auto = AutoCompression(params, knobs, [m for m in methods if m.auto], group)
+    model.register_comm_hook(auto.dispatch, timed(auto.counter, _dispatch_current(auto)))
     return auto
 
 
-def _dispatch_current(auto: AutoCompression) -> compression.CommHook:
+def _dispatch_current(auto: AutoCompression) -> CommHook:
     """The registered hook: DDP keeps the state it was given, so it looks up the dispatcher running now."""
 
     def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         return _dispatch(auto.dispatch, bucket)
 
     return hook
+
+
+METHOD = Method(
+    name="auto",
+    about="Measures the link, the compute and each method's encoding, and runs the method predicted fastest.",
+    hook=None,
+    warms_up=True,
+    min_warmup_steps=2,  # it may run PowerSGD
+    blocking=True,  # it may run PowerSGD, and switches methods on a fixed bucket layout
+    install=install,
+)

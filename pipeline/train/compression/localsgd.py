@@ -1,0 +1,125 @@
+"""`localsgd`: each rank trains alone after warm-up and the models are averaged every `localsgd_period` steps
+(fp32, or their change since the last average in 8 bits with `localsgd_int8`).
+
+Not among `auto`'s choices: it changes what is averaged (the model, not the gradients), so it cannot take over from a
+gradient method at any step.
+"""
+
+# No `from __future__ import annotations`: DDP checks the hook's annotations as live objects (GradBucket, Future).
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+from pipeline.train.compression.method import Averager, CommCounter, CommHook, Knobs, Method
+
+
+def _hook(knobs: Knobs, group: dist.ProcessGroup | None, counter: CommCounter) -> tuple[Any, CommHook]:
+    # The default subgroup (one per node) raises on CPU (docs/torch-distributed.md#post-local-sgd-subgroup-on-cpu);
+    # after warm-up no gradient is reduced at all.
+    subgroup = dist.new_subgroups(group_size=1)[0]
+    state = post_localSGD_hook.PostLocalSGDState(
+        process_group=group,
+        subgroup=subgroup,
+        start_localSGD_iter=knobs.warmup_steps,
+        post_local_gradient_allreduce=False,
+    )
+
+    def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        if state.iter < state.start_localSGD_iter:
+            counter.add(bucket.buffer().numel() * bucket.buffer().element_size())
+        return post_localSGD_hook.post_localSGD_hook(state, bucket)
+
+    return state, hook
+
+
+class _Schedule:
+    """When an averaging is due: after warm-up, every `period` steps (as torch's PeriodicModelAverager)."""
+
+    def __init__(self, period: int, warmup_steps: int) -> None:
+        self.period, self.warmup_steps, self.step = period, warmup_steps, 0
+
+    def tick(self) -> bool:
+        """Count a step; whether the model is averaged at it."""
+        due = self.step >= self.warmup_steps and (self.step - self.warmup_steps) % self.period == 0
+        self.step += 1
+        return due
+
+
+class Fp32Averager:
+    """torch's PeriodicModelAverager (an all-reduce of the parameters when due), counting the bytes it sends."""
+
+    def __init__(self, period: int, warmup_steps: int, group: dist.ProcessGroup | None = None) -> None:
+        self.schedule = _Schedule(period, warmup_steps)
+        self.inner = PeriodicModelAverager(period, warmup_steps, group)
+
+    def average(self, params: list[torch.Tensor]) -> int:
+        """Average when due; the bytes sent."""
+        due = self.schedule.tick()
+        self.inner.average_parameters(params)
+        return sum(p.numel() * p.element_size() for p in params) if due else 0
+
+
+class Int8DeltaAverager:
+    """Local SGD's periodic averaging in 8 bits: each rank sends how far each tensor moved since the last average
+    (its anchor, the same on every rank), quantised to int8 with one fp32 scale per tensor, keeping the rounding
+    error for the next averaging (error feedback). Every rank sums the same gathered payloads in the same order, so
+    the averaged parameters are identical on all. The first averaging, with no anchor yet, is in fp32."""
+
+    def __init__(self, period: int, warmup_steps: int, group: dist.ProcessGroup | None = None) -> None:
+        self.schedule, self.group = _Schedule(period, warmup_steps), group
+        self.anchor: list[torch.Tensor] = []
+        self.residual: list[torch.Tensor] = []
+
+    def average(self, params: list[torch.Tensor]) -> int:
+        """Average when due; the bytes sent."""
+        if not self.schedule.tick():
+            return 0
+        return self._deltas(params) if self.anchor else self._first(params)
+
+    @torch.no_grad()
+    def _first(self, params: list[torch.Tensor]) -> int:
+        flat = torch.cat([p.flatten() for p in params]).div_(dist.get_world_size(self.group))
+        dist.all_reduce(flat, group=self.group)
+        for p, avg in zip(params, flat.split([p.numel() for p in params]), strict=True):
+            p.copy_(avg.view_as(p))
+        self.anchor = [p.detach().clone() for p in params]
+        self.residual = [torch.zeros_like(p) for p in params]
+        return flat.numel() * flat.element_size()
+
+    @torch.no_grad()
+    def _deltas(self, params: list[torch.Tensor]) -> int:
+        world = dist.get_world_size(self.group)
+        deltas = [p - a + r for p, a, r in zip(params, self.anchor, self.residual, strict=True)]
+        scales = torch.stack([d.abs().max() for d in deltas]).float().div_(127).clamp_(min=1e-30)
+        quantised = [d.div(s).round_().clamp_(-127, 127).to(torch.int8) for d, s in zip(deltas, scales, strict=True)]
+        self.residual = [d - q.to(d.dtype) * s for d, q, s in zip(deltas, quantised, scales, strict=True)]
+        payload = torch.cat([torch.cat([q.flatten() for q in quantised]), scales.view(torch.int8)])
+        parts = [torch.empty_like(payload) for _ in range(world)]
+        dist.all_gather(parts, payload, group=self.group)
+        n = payload.numel() - scales.numel() * 4
+        mean = [torch.zeros_like(a) for a in self.anchor]
+        for part in parts:
+            their_scales = part[n:].clone().view(torch.float32)
+            for m, q, s in zip(mean, part[:n].split([a.numel() for a in self.anchor]), their_scales, strict=True):
+                m.add_(q.view_as(m).to(m.dtype) * s)
+        for p, a, m in zip(params, self.anchor, mean, strict=True):
+            p.copy_(a + m.div_(world))
+            a.copy_(p)
+        return payload.numel()
+
+
+def _averager(knobs: Knobs, group: dist.ProcessGroup | None) -> Averager:
+    kind = Int8DeltaAverager if knobs.train.localsgd_int8 else Fp32Averager
+    return kind(knobs.train.localsgd_period, knobs.warmup_steps, group)
+
+
+METHOD = Method(
+    name="localsgd",
+    about="Each rank trains alone; the models are averaged every `localsgd_period` steps (`localsgd_int8`: 8 bits).",
+    hook=_hook,
+    warms_up=True,
+    after_step=_averager,
+)
