@@ -6,14 +6,11 @@ Not among `auto`'s choices: the same bytes as fp16 with fewer mantissa bits.
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from pipeline.train.compression.method import Method, stock
+from pipeline.train.compression.method import cast
 
-METHOD = Method(
-    name="bf16",
-    about="Gradients all-reduced as bfloat16: half the bytes, fp32's range.",
-    hook=stock(default_hooks.bf16_compress_hook, torch.bfloat16),
-    warms_up=False,
-    fsdp=True,
-    reduce_dtype=torch.bfloat16,
-    payload_bytes=lambda params, knobs: 2 * sum(p.numel() for p in params),
+METHOD = cast(
+    "bf16",
+    "Gradients all-reduced as bfloat16: half the bytes, fp32's range.",
+    default_hooks.bf16_compress_hook,
+    torch.bfloat16,
 )

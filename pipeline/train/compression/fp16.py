@@ -3,16 +3,13 @@
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from pipeline.train.compression.method import Method, stock
+from pipeline.train.compression.method import cast
 
-METHOD = Method(
-    name="fp16",
-    about="Gradients all-reduced as float16: half the bytes.",
-    hook=stock(default_hooks.fp16_compress_hook, torch.float16),
-    warms_up=False,
-    fsdp=True,
-    reduce_dtype=torch.float16,
-    payload_bytes=lambda params, knobs: 2 * sum(p.numel() for p in params),
+METHOD = cast(
+    "fp16",
+    "Gradients all-reduced as float16: half the bytes.",
+    default_hooks.fp16_compress_hook,
+    torch.float16,
     encoder=lambda bucket, knobs, world, own: lambda: bucket.buffer().half().float(),
     auto=True,
 )

@@ -9,7 +9,7 @@ import math
 import torch
 
 from pipeline.train.compression import sparse
-from pipeline.train.compression.method import Bucket, Knobs, Method
+from pipeline.train.compression.method import Bucket, Knobs
 
 WHOLE_BELOW = 1024
 """`sign` sends tensors of fewer entries whole, besides vectors: a small model's stem and head as signs cost the
@@ -106,14 +106,9 @@ def _compress(state: sparse.SparseState, bucket: Bucket, knobs: Knobs) -> torch.
     return state.gather(payload, decode)
 
 
-METHOD = Method(
-    name="sign",
-    about="1 bit per entry and an fp32 scale per output channel (vectors and small tensors whole), error feedback.",
-    hook=sparse.hook(_compress),
-    warms_up=True,
-    payload_bytes=lambda params, knobs: size(params),
-    gathers=True,
-    encoder=sparse.encoder(_compress),
-    residuals=sparse.residuals,
-    auto=True,
+METHOD = sparse.method(
+    "sign",
+    "1 bit per entry and an fp32 scale per output channel (vectors and small tensors whole), error feedback.",
+    _compress,
+    lambda params, knobs: size(params),
 )

@@ -20,6 +20,8 @@ from pipeline.train.compression.method import (
     EncoderFactory,
     HookFactory,
     Knobs,
+    Method,
+    PayloadModel,
     allreduce,
     completed,
 )
@@ -111,3 +113,18 @@ def encoder(compress: Compressor) -> EncoderFactory:
 def residuals(state: SparseState) -> dict[int, torch.Tensor]:
     """The error feedback not sent yet, per bucket index."""
     return dict(state.residuals)
+
+
+def method(name: str, about: str, compress: Compressor, payload: PayloadModel) -> Method:
+    """An all_gather method with error feedback and a warm-up, which `auto` may switch to at any step."""
+    return Method(
+        name=name,
+        about=about,
+        hook=hook(compress),
+        warms_up=True,
+        payload_bytes=payload,
+        gathers=True,
+        encoder=encoder(compress),
+        residuals=residuals,
+        auto=True,
+    )

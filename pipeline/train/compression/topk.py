@@ -9,7 +9,7 @@ import math
 import torch
 
 from pipeline.train.compression import sparse
-from pipeline.train.compression.method import Bucket, Knobs, Method
+from pipeline.train.compression.method import Bucket, Knobs
 
 MIN_ENTRIES = 2048
 """Fewest entries `topk` sends by default: fewer lost a small CNN's accuracy
@@ -82,14 +82,9 @@ def _compress(state: sparse.SparseState, bucket: Bucket, knobs: Knobs) -> torch.
     return state.gather(payload, decode)
 
 
-METHOD = Method(
-    name="topk",
-    about="The largest `topk_fraction` of each bucket's entries (default scaled to the model), with error feedback.",
-    hook=sparse.hook(_compress),
-    warms_up=True,
-    payload_bytes=lambda params, knobs: 8 * size(sum(p.numel() for p in params), fraction(knobs)),
-    gathers=True,
-    encoder=sparse.encoder(_compress),
-    residuals=sparse.residuals,
-    auto=True,
+METHOD = sparse.method(
+    "topk",
+    "The largest `topk_fraction` of each bucket's entries (default scaled to the model), with error feedback.",
+    _compress,
+    lambda params, knobs: 8 * size(sum(p.numel() for p in params), fraction(knobs)),
 )
