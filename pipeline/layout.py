@@ -37,6 +37,10 @@ ENGINES = "engines"
 CLASSES = f"{ENGINES}/classes.json"
 PLAN = "model.plan"
 BUILD_INFO = "build.json"
+# The build stage's manifest outputs that deploy reads: the first (or only) engine and its build.json, and per device
+# class `<key>:<class>` (`engine_keys`, `class_of_engine_key`).
+ENGINE_KEY = "engine"
+BUILD_INFO_KEY = "build_info"
 
 # deploy: the release plan and the per-target outcome.
 DEPLOY_DIR = "deploy"
@@ -57,3 +61,16 @@ def onnx_path(variant: str) -> str:
 def engine_dir(klass: str) -> str:
     """Run-dir path of a device class's engine directory (`model.plan`, `build.json`, `timing.cache`)."""
     return f"{ENGINES}/{klass}"
+
+
+def engine_keys(klass: str) -> tuple[str, str]:
+    """The build stage's manifest output keys for device class `klass`'s engine and its build.json:
+    (`engine:<class>`, `build_info:<class>`)."""
+    return f"{ENGINE_KEY}:{klass}", f"{BUILD_INFO_KEY}:{klass}"
+
+
+def class_of_engine_key(key: str) -> str | None:
+    """The device class an `engine:<class>` output key names; None for any other key (`build_info:<class>` too: each
+    class is named once, by its engine's key)."""
+    prefix = f"{ENGINE_KEY}:"
+    return key[len(prefix) :] if key.startswith(prefix) else None
