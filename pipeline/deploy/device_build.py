@@ -33,15 +33,12 @@ from pipeline.files import sha256_file
 from pipeline.fleet.classes import from_facts
 from pipeline.fleet.probe import Facts
 from pipeline.fleet.ssh import Completed, Device
-from pipeline.layout import BUILD_INFO, DEPLOY_DIR, ONNX, PLAN, SAMPLE, engine_dir
+from pipeline.layout import BUILD_INFO, DEPLOY_DIR, DEVICE_CACHE, ONNX, PLAN, SAMPLE, engine_dir
 from pipeline.manifest import RunDir
 from pipeline.trt import cache, engine_job, flags, publish
 from pipeline.trt.flags import Options
 from pipeline.trt.profile import Profile, input_profile
 from pipeline.trt.runners import Remote
-
-DEVICE_CACHE = "engine-cache"
-"""The device's engine cache, in its deploy root: `<key>/{model.plan,build.json}`, the newest few kept."""
 
 
 @dataclass

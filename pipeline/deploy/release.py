@@ -29,7 +29,18 @@ from pipeline.fleet.names import safe_name
 from pipeline.fleet.probe import Facts
 from pipeline.fleet.ssh import Device
 from pipeline.fleet.upload import SUMS, Bundle, sums_text
-from pipeline.layout import DEPLOY_DIR, MODEL_JSON, ONNX, PLAN, SAMPLE
+from pipeline.layout import (
+    DEPLOY_DIR,
+    ENGINE_INFO,
+    LABELS,
+    MODEL_JSON,
+    MODEL_JSON_NAME,
+    ONNX,
+    ONNX_NAME,
+    PLAN,
+    SAMPLE,
+    SAMPLE_NAME,
+)
 from pipeline.manifest import RunDir
 
 ID_HEX = 8
@@ -73,10 +84,10 @@ def make_release(
     _check_sample(sample)
     out = out or run.path / DEPLOY_DIR
     out.mkdir(parents=True, exist_ok=True)
-    write_text(out / "labels.txt", "".join(f"{c}\n" for c in model_classes(meta)))
-    files = {"model.onnx": onnx, "model.json": meta, "sample.npz": sample, "labels.txt": out / "labels.txt"}
+    write_text(out / LABELS, "".join(f"{c}\n" for c in model_classes(meta)))
+    files = {ONNX_NAME: onnx, MODEL_JSON_NAME: meta, SAMPLE_NAME: sample, LABELS: out / LABELS}
     if engine is not None:
-        files.update({PLAN: engine[0], "engine.json": engine[1]})
+        files.update({PLAN: engine[0], ENGINE_INFO: engine[1]})
     files.update({safe_name(name, "release file"): path for name, path in (extra or {}).items()})
     sha256 = {name: sha256_file(path) for name, path in files.items()}
     digest = hashlib.sha256(sums_text(sha256).encode()).hexdigest()

@@ -18,6 +18,7 @@ from pipeline.deploy.result import REFUSED, ROLLED_BACK, UNREACHABLE, Stop, Targ
 from pipeline.errors import PipelineError
 from pipeline.fleet.inventory import Inventory, Policy
 from pipeline.fleet.ssh import FAILURES, Device, Refused, quiet_lost_connections
+from pipeline.layout import CURRENT, RELEASES
 
 Row = dict[str, Any]
 
@@ -99,7 +100,7 @@ async def _local_status_one(host: Host) -> Row:
     root = host.target.root
     async with host:
         facts = await remote.probe(host)
-        problem = await remote.verified(host, f"{root}/current") if facts.current else "no current release"
+        problem = await remote.verified(host, f"{root}/{CURRENT}") if facts.current else "no current release"
         releases = len(await remote.releases_on(host))
     row = {"target": host.target.name, "root": root, "current": facts.current or "-"}
     return row | {"previous": facts.previous or "-", "releases": releases, "verified": problem or "yes"}
@@ -125,7 +126,7 @@ async def _check_rollback(host: Host) -> None:
     facts = await remote.probe(host)
     if not facts.current or not facts.previous:
         raise PipelineError(f"{name}: nothing to roll back to ({root} has no current and previous release)")
-    problem = await remote.verified(host, f"{root}/releases/{facts.previous}")
+    problem = await remote.verified(host, f"{root}/{RELEASES}/{facts.previous}")
     if problem is not None:
         raise PipelineError(f"{name}: previous release {facts.previous} fails verification: {problem}")
 

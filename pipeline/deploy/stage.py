@@ -24,6 +24,7 @@ from pipeline.errors import PipelineError, TransientError
 from pipeline.files import read_json, write_json
 from pipeline.fleet.inventory import Policy, load_inventory
 from pipeline.layout import (
+    ACTIVATE,
     BUILD_INFO_KEY,
     DEPLOY_PLAN,
     DEPLOY_RESULTS,
@@ -101,7 +102,7 @@ def inside(run: RunDir, rel: str) -> Path:
 def fleet_releases(run: RunDir, builds: DeviceBuilds | None = None) -> Releases:
     """The release for SSH devices: the run's files, the engine for each class (from the build stage, or from
     `builds` at install time for a class it has none for), and the activation script."""
-    return Releases(run, recorded_engines(run), {remote.ACTIVATE: ACTIVATE_SCRIPT}, builds)
+    return Releases(run, recorded_engines(run), {ACTIVATE: ACTIVATE_SCRIPT}, builds)
 
 
 def local_release(run: RunDir) -> HostRelease:
@@ -109,7 +110,7 @@ def local_release(run: RunDir) -> HostRelease:
     activation script."""
     engine = local_engine(run)
     engine_class = engine and str(read_json(engine[1])["class"])
-    return HostRelease(make_release(run, engine, engine_class, {remote.ACTIVATE: ACTIVATE_SCRIPT}))
+    return HostRelease(make_release(run, engine, engine_class, {ACTIVATE: ACTIVATE_SCRIPT}))
 
 
 def _body(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageResult:

@@ -11,6 +11,8 @@ import re
 import shlex
 from dataclasses import dataclass, field
 
+from pipeline.layout import CURRENT, PREVIOUS, RELEASES
+
 SOCS = {
     "nvidia,tegra264": ("thor", "sm110"),
     "nvidia,tegra234": ("orin", "sm87"),
@@ -38,7 +40,7 @@ for z in /sys/class/thermal/thermal_zone*; do
   [ -r "$z/temp" ] && echo "thermal=$(cat "$z/type" 2>/dev/null) $(cat "$z/temp")"
 done
 echo "hostname=$(hostname)"
-cd {shlex.quote(root)} 2>/dev/null && echo "current=$(readlink current)" && echo "previous=$(readlink previous)"
+cd {shlex.quote(root)} 2>/dev/null && echo "current=$(readlink {CURRENT})" && echo "previous=$(readlink {PREVIOUS})"
 true
 """
 
@@ -89,7 +91,7 @@ def parse_facts(text: str) -> Facts:
         elif key == "thermal":
             _thermal(facts, value)
         elif key in ("hostname", "current", "previous"):
-            setattr(facts, key, value.removeprefix("releases/"))
+            setattr(facts, key, value.removeprefix(f"{RELEASES}/"))
     if not facts.soc:
         facts.soc = next((soc for word, soc in _MODEL_FAMILIES if word in facts.model.lower()), "")
     return facts
