@@ -53,7 +53,8 @@ DEPLOY_PLAN = f"{DEPLOY_DIR}/plan.json"
 DEPLOY_RESULTS = f"{DEPLOY_DIR}/results.json"
 
 # A device's deploy root (a local target's too), relative to it: what deploy uploads and its probe reads there, and
-# what the device-side activate.sh works on.
+# what the device-side activate.sh works on. activate.sh spells none of these: the controller hands them over in its
+# environment (pipeline.deploy.remote.ACTIVATE_NAMES), so a rename here reaches both sides.
 RELEASES = "releases"
 """One directory per release, `releases/<id>/`, named by its content (pipeline.deploy.release)."""
 CURRENT = "current"

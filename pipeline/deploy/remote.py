@@ -42,7 +42,20 @@ from pipeline.fleet.names import SAFE_NAME
 from pipeline.fleet.probe import Facts, parse_facts, probe_script
 from pipeline.fleet.ssh import FAILURES, Completed, Refused
 from pipeline.fleet.upload import PART, SUMS
-from pipeline.layout import ACTIVATE, CURRENT, DEVICE_CACHE, RELEASES
+from pipeline.layout import ACTIVATE, CURRENT, DEVICE_CACHE, ONNX_NAME, PLAN, PREVIOUS, RELEASES, SAMPLE_NAME
+
+ACTIVATE_NAMES = {
+    "RELEASES_DIR": RELEASES,
+    "CURRENT_LINK": CURRENT,
+    "PREVIOUS_LINK": PREVIOUS,
+    "PART_SUFFIX": PART,
+    "SUMS_FILE": SUMS,
+    "PLAN_FILE": PLAN,
+    "ONNX_FILE": ONNX_NAME,
+    "SAMPLE_FILE": SAMPLE_NAME,
+}
+"""The deploy root's names activate.sh works with, by the environment variable it reads each from: the script spells
+none of them, so layout (and upload, for its staging names) declare them once for the controller and the device."""
 
 # A transport failure during a step; an install-time build that fails on its own is BUILD_FAILED (device_build).
 _PHASE_STATUS = {
@@ -207,10 +220,11 @@ async def verified(host: Host, directory: str) -> str | None:
 
 
 def activate_command(target: Spot, release_id: str, keep: int) -> str:
-    """The remote command that runs a release's activation script."""
+    """The remote command that runs a release's activation script, the deploy root's names in its environment."""
+    names = [f"{var}={shlex.quote(name)}" for var, name in ACTIVATE_NAMES.items()]
     args = [target.root, release_id, str(keep), target.service, target.health_command]
     script = f"{target.root}/{RELEASES}/{release_id}/{ACTIVATE}"
-    return f"sh {shlex.quote(script)} " + " ".join(shlex.quote(a) for a in args)
+    return " ".join([*names, "sh", shlex.quote(script), *(shlex.quote(a) for a in args)])
 
 
 def parse_activation(stdout: str) -> dict[str, str]:
