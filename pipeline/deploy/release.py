@@ -25,6 +25,7 @@ from pipeline.deploy.result import REFUSED, Stop, TargetResult
 from pipeline.errors import PipelineError
 from pipeline.files import read_json, sha256_file, write_json, write_text
 from pipeline.fleet import upload
+from pipeline.fleet.classes import LOCAL, DeviceClass
 from pipeline.fleet.names import safe_name
 from pipeline.fleet.probe import Facts
 from pipeline.fleet.ssh import Device
@@ -149,7 +150,7 @@ class HostRelease:
 
     def device_class(self, facts: Facts) -> str:
         """The class of the engine it carries; "local" (this host) when it carries none."""
-        return self.release.engine_class or "local"
+        return self.release.engine_class or LOCAL
 
 
 class Releases:
@@ -190,7 +191,7 @@ class Releases:
         """The variant for a probed device. A device with TensorRT whose class has no engine gets one at install
         time (the first device of a class builds it, the others wait for it); without TensorRT it gets ONNX only when
         the run has no engines at all, else Stop(REFUSED)."""
-        klass = facts.device_class
+        klass = str(DeviceClass.probed(facts))
         if klass in self.variants:
             return self.variants[klass]
         if self.builds is not None and facts.tensorrt and isinstance(host, Device):
@@ -210,7 +211,7 @@ class Releases:
 
     def device_class(self, facts: Facts) -> str:
         """The probed device's class."""
-        return facts.device_class
+        return str(DeviceClass.probed(facts))
 
     def summary(self) -> dict[str, Any]:
         """plan.json content: each variant's release id and files."""

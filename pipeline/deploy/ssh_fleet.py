@@ -16,6 +16,7 @@ from pipeline.deploy import remote
 from pipeline.deploy.hosts import Host, LocalHost, local_spot
 from pipeline.deploy.result import REFUSED, ROLLED_BACK, UNREACHABLE, Stop, TargetResult
 from pipeline.errors import PipelineError
+from pipeline.fleet.classes import DeviceClass
 from pipeline.fleet.inventory import Inventory, Policy
 from pipeline.fleet.ssh import FAILURES, Device, Refused, quiet_lost_connections
 from pipeline.layout import CURRENT, RELEASES
@@ -83,7 +84,7 @@ async def _status_one(host: Host) -> Row:
         "l4t": facts.l4t or "?",
         "jetpack": facts.jetpack or "?",
         "tensorrt": facts.tensorrt or "?",
-        "class": facts.device_class,
+        "class": str(DeviceClass.probed(facts)),
         "free": f"{facts.free_bytes / 1e6:.0f} MB" if facts.free_bytes is not None else "?",
         "temp": f"{hottest:.1f} C" if hottest is not None else "?",
         "current": facts.current or "-",

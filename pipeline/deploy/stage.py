@@ -22,6 +22,7 @@ from pipeline.deploy.result import ACTIVE, UNREACHABLE, UPLOAD_FAILED, TargetRes
 from pipeline.deploy.rollout import rollout, waves
 from pipeline.errors import PipelineError, TransientError
 from pipeline.files import read_json, write_json
+from pipeline.fleet.classes import host_class
 from pipeline.fleet.inventory import Policy, load_inventory
 from pipeline.layout import (
     ACTIVATE,
@@ -50,7 +51,7 @@ def run(cfg: Config, run: RunDir, log: Callable[[str], None] = print) -> StageRe
 def local_engine(run: RunDir) -> tuple[Path, Path] | None:
     """(model.plan, build.json) of the engine the build stage made for this host, None when it made none."""
     engine = recorded_engine(run)
-    if engine is None or not str(read_json(engine[1]).get("class", "")).startswith("local"):
+    if engine is None or host_class(str(read_json(engine[1]).get("class", ""))) is None:
         return None
     return engine
 

@@ -1,7 +1,8 @@
 """What a device is: board model, L4T release, JetPack and TensorRT versions, free space, temperature.
 
 One remote shell script prints `key=value` lines (device tree, /etc/nv_tegra_release, dpkg-query, df, thermal
-zones); `parse_facts` turns them into :class:`Facts`, and `device_class` names the engines the device can load.
+zones); `parse_facts` turns them into :class:`Facts`, from which `pipeline.fleet.classes.DeviceClass.probed` names
+the engines the device can load.
 """
 
 from __future__ import annotations
@@ -59,12 +60,6 @@ class Facts:
     hostname: str = ""
     current: str = ""
     previous: str = ""
-
-    @property
-    def device_class(self) -> str:
-        """`<family>-<sm>-trt<major.minor.patch>`, e.g. orin-sm87-trt10.3.0: engines load only on their class."""
-        family, sm = SOCS.get(self.soc, ("unknown", "sm?"))
-        return f"{family}-{sm}-trt{self.tensorrt or '?'}"
 
     @property
     def max_temp_c(self) -> float | None:
