@@ -30,18 +30,15 @@ from pipeline.config import BuildClass, Config
 from pipeline.deploy.result import BUILD_FAILED, REFUSED, Stop, TargetResult
 from pipeline.errors import PipelineError
 from pipeline.files import sha256_file
-from pipeline.fleet.classes import from_facts
+from pipeline.fleet.classes import DeviceClass, from_facts
 from pipeline.fleet.probe import Facts
 from pipeline.fleet.ssh import Completed, Device
-from pipeline.layout import BUILD_INFO, DEPLOY_DIR, ONNX, PLAN, SAMPLE, engine_dir
+from pipeline.layout import BUILD_INFO, DEPLOY_DIR, DEVICE_CACHE, ONNX, PLAN, SAMPLE, engine_dir
 from pipeline.manifest import RunDir
 from pipeline.trt import cache, engine_job, flags, publish
 from pipeline.trt.flags import Options
 from pipeline.trt.profile import Profile, input_profile
 from pipeline.trt.runners import Remote
-
-DEVICE_CACHE = "engine-cache"
-"""The device's engine cache, in its deploy root: `<key>/{model.plan,build.json}`, the newest few kept."""
 
 
 @dataclass
@@ -84,7 +81,7 @@ class DeviceBuilds:
             klass = self.build_class(facts, device.target.name)
         except ValueError:  # pydantic's: what the device reported is no TensorRT version (or class name)
             why = f"the probe found TensorRT {facts.tensorrt!r}, not a version an engine can be built for"
-            raise Stop(REFUSED, f"{facts.device_class}: {why}") from None
+            raise Stop(REFUSED, f"{DeviceClass.probed(facts)}: {why}") from None
         options = flags.options_for(self.cfg.build, klass)
         try:
             flags.plan(facts.tensorrt, options, self.run.path, facts.jetpack)

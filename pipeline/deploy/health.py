@@ -17,7 +17,7 @@ import numpy as np
 
 from pipeline.files import first_line
 from pipeline.host import python_api_problem
-from pipeline.layout import PLAN
+from pipeline.layout import ENGINE_INFO, LABELS, ONNX_NAME, PLAN, SAMPLE_NAME
 
 
 def check(release: Path, atol: float, atol_fp16: float) -> dict[str, Any]:
@@ -28,10 +28,10 @@ def check(release: Path, atol: float, atol_fp16: float) -> dict[str, Any]:
     tolerance = atol_fp16 if use_engine and _engine_precision(release) == "fp16" else atol
     base: dict[str, Any] = {"passed": False, "runtime": runtime, "atol": tolerance}
     try:
-        with np.load(release / "sample.npz") as sample:
+        with np.load(release / SAMPLE_NAME) as sample:
             x, expected = sample["input"], sample["logits"]
-        classes = len((release / "labels.txt").read_text().splitlines())
-        logits = _run_engine(engine, x) if use_engine else _run_onnx(release / "model.onnx", x)
+        classes = len((release / LABELS).read_text().splitlines())
+        logits = _run_engine(engine, x) if use_engine else _run_onnx(release / ONNX_NAME, x)
     # Whatever stops the release from running (corrupt model, missing file, runtime error) is a failed check.
     except Exception as err:
         return {**base, "reason": f"{runtime} could not run the release: {first_line(err)}"}
@@ -56,7 +56,7 @@ def compare(logits: np.ndarray, expected: np.ndarray, classes: int, atol: float)
 
 def _engine_precision(release: Path) -> str | None:
     try:
-        return json.loads((release / "engine.json").read_text()).get("precision")
+        return json.loads((release / ENGINE_INFO).read_text()).get("precision")
     except (OSError, ValueError):
         return None
 

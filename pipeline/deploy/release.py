@@ -25,11 +25,23 @@ from pipeline.deploy.result import REFUSED, Stop, TargetResult
 from pipeline.errors import PipelineError
 from pipeline.files import read_json, sha256_file, write_json, write_text
 from pipeline.fleet import upload
+from pipeline.fleet.classes import LOCAL, DeviceClass
 from pipeline.fleet.names import safe_name
 from pipeline.fleet.probe import Facts
 from pipeline.fleet.ssh import Device
 from pipeline.fleet.upload import SUMS, Bundle, sums_text
-from pipeline.layout import DEPLOY_DIR, MODEL_JSON, ONNX, PLAN, SAMPLE
+from pipeline.layout import (
+    DEPLOY_DIR,
+    ENGINE_INFO,
+    LABELS,
+    MODEL_JSON,
+    MODEL_JSON_NAME,
+    ONNX,
+    ONNX_NAME,
+    PLAN,
+    SAMPLE,
+    SAMPLE_NAME,
+)
 from pipeline.manifest import RunDir
 
 ID_HEX = 8
@@ -73,10 +85,10 @@ def make_release(
     _check_sample(sample)
     out = out or run.path / DEPLOY_DIR
     out.mkdir(parents=True, exist_ok=True)
-    write_text(out / "labels.txt", "".join(f"{c}\n" for c in model_classes(meta)))
-    files = {"model.onnx": onnx, "model.json": meta, "sample.npz": sample, "labels.txt": out / "labels.txt"}
+    write_text(out / LABELS, "".join(f"{c}\n" for c in model_classes(meta)))
+    files = {ONNX_NAME: onnx, MODEL_JSON_NAME: meta, SAMPLE_NAME: sample, LABELS: out / LABELS}
     if engine is not None:
-        files.update({PLAN: engine[0], "engine.json": engine[1]})
+        files.update({PLAN: engine[0], ENGINE_INFO: engine[1]})
     files.update({safe_name(name, "release file"): path for name, path in (extra or {}).items()})
     sha256 = {name: sha256_file(path) for name, path in files.items()}
     digest = hashlib.sha256(sums_text(sha256).encode()).hexdigest()
@@ -138,7 +150,7 @@ class HostRelease:
 
     def device_class(self, facts: Facts) -> str:
         """The class of the engine it carries; "local" (this host) when it carries none."""
-        return self.release.engine_class or "local"
+        return self.release.engine_class or LOCAL
 
 
 class Releases:
@@ -179,7 +191,7 @@ class Releases:
         """The variant for a probed device. A device with TensorRT whose class has no engine gets one at install
         time (the first device of a class builds it, the others wait for it); without TensorRT it gets ONNX only when
         the run has no engines at all, else Stop(REFUSED)."""
-        klass = facts.device_class
+        klass = str(DeviceClass.probed(facts))
         if klass in self.variants:
             return self.variants[klass]
         if self.builds is not None and facts.tensorrt and isinstance(host, Device):
@@ -199,7 +211,7 @@ class Releases:
 
     def device_class(self, facts: Facts) -> str:
         """The probed device's class."""
-        return facts.device_class
+        return str(DeviceClass.probed(facts))
 
     def summary(self) -> dict[str, Any]:
         """plan.json content: each variant's release id and files."""

@@ -23,7 +23,6 @@ from typing import Any
 
 import asyncssh
 
-from pipeline.deploy.device_build import DEVICE_CACHE
 from pipeline.deploy.hosts import Host, Spot
 from pipeline.deploy.release import Offer, Release
 from pipeline.deploy.result import (
@@ -42,9 +41,22 @@ from pipeline.fleet.inventory import Policy, SshTarget
 from pipeline.fleet.names import SAFE_NAME
 from pipeline.fleet.probe import Facts, parse_facts, probe_script
 from pipeline.fleet.ssh import FAILURES, Completed, Refused
-from pipeline.fleet.upload import SUMS
+from pipeline.fleet.upload import PART, SUMS
+from pipeline.layout import ACTIVATE, CURRENT, DEVICE_CACHE, ONNX_NAME, PLAN, PREVIOUS, RELEASES, SAMPLE_NAME
 
-ACTIVATE = "activate.sh"
+ACTIVATE_NAMES = {
+    "RELEASES_DIR": RELEASES,
+    "CURRENT_LINK": CURRENT,
+    "PREVIOUS_LINK": PREVIOUS,
+    "PART_SUFFIX": PART,
+    "SUMS_FILE": SUMS,
+    "PLAN_FILE": PLAN,
+    "ONNX_FILE": ONNX_NAME,
+    "SAMPLE_FILE": SAMPLE_NAME,
+}
+"""The deploy root's names activate.sh works with, by the environment variable it reads each from: the script spells
+none of them, so layout (and upload, for its staging names) declare them once for the controller and the device."""
+
 # A transport failure during a step; an install-time build that fails on its own is BUILD_FAILED (device_build).
 _PHASE_STATUS = {
     "connect": UNREACHABLE,
@@ -140,7 +152,7 @@ def _refuse_live(release: Release, facts: Facts) -> None:
     if facts.current == release.id:
         raise Stop(
             VERIFY_FAILED,
-            f"releases/{release.id} is live and does not match its SHA256SUMS: a deploy never rewrites the live "
+            f"{RELEASES}/{release.id} is live and does not match its SHA256SUMS: a deploy never rewrites the live "
             "release (roll back, then deploy again)",
         )
 
@@ -158,13 +170,13 @@ def _root(host: Host) -> str:
 
 async def _prepare(host: Host) -> None:
     """Create `releases/` in the deploy root (and the root): a target whose root cannot exist fails here."""
-    out = await host.run(f"mkdir -p {_root(host)}/releases")
+    out = await host.run(f"mkdir -p {_root(host)}/{RELEASES}")
     if not out.ok:
-        raise Stop(FAILED, f"cannot create {host.target.root}/releases: {out.tail()}")
+        raise Stop(FAILED, f"cannot create {_releases(host)}: {out.tail()}")
 
 
 def _releases(host: Host) -> str:
-    return f"{host.target.root}/releases"
+    return f"{host.target.root}/{RELEASES}"
 
 
 async def _upload(host: Host, release: Release, row: TargetResult) -> None:
@@ -186,7 +198,7 @@ async def _verify_and_rename(host: Host, release: Release) -> None:
         await upload.verify(host, _releases(host), release.plan)
     except upload.UploadFailed as err:
         raise Stop(VERIFY_FAILED, str(err)) from None
-    live = (f"{host.target.root}/current", f"releases/{release.id}")
+    live = (f"{host.target.root}/{CURRENT}", f"{RELEASES}/{release.id}")
     try:
         await upload.publish(host, _releases(host), release.plan, live)
     except upload.UploadFailed as err:
@@ -208,10 +220,11 @@ async def verified(host: Host, directory: str) -> str | None:
 
 
 def activate_command(target: Spot, release_id: str, keep: int) -> str:
-    """The remote command that runs a release's activation script."""
+    """The remote command that runs a release's activation script, the deploy root's names in its environment."""
+    names = [f"{var}={shlex.quote(name)}" for var, name in ACTIVATE_NAMES.items()]
     args = [target.root, release_id, str(keep), target.service, target.health_command]
-    script = f"{target.root}/releases/{release_id}/{ACTIVATE}"
-    return f"sh {shlex.quote(script)} " + " ".join(shlex.quote(a) for a in args)
+    script = f"{target.root}/{RELEASES}/{release_id}/{ACTIVATE}"
+    return " ".join([*names, "sh", shlex.quote(script), *(shlex.quote(a) for a in args)])
 
 
 def parse_activation(stdout: str) -> dict[str, str]:
@@ -274,5 +287,5 @@ async def switch_back(host: Host, keep: int) -> TargetResult:
 
 async def releases_on(host: Host) -> list[str]:
     """The complete releases in the target's `releases/` (not the `.part` of an upload)."""
-    out = await host.run(f'cd {_root(host)}/releases 2>/dev/null && for d in */; do echo "${{d%/}}"; done; true')
-    return [name for name in out.stdout.split() if SAFE_NAME.match(name) and not name.endswith(".part")]
+    out = await host.run(f'cd {_root(host)}/{RELEASES} 2>/dev/null && for d in */; do echo "${{d%/}}"; done; true')
+    return [name for name in out.stdout.split() if SAFE_NAME.match(name) and not name.endswith(PART)]

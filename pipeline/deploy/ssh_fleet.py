@@ -16,8 +16,10 @@ from pipeline.deploy import remote
 from pipeline.deploy.hosts import Host, LocalHost, local_spot
 from pipeline.deploy.result import REFUSED, ROLLED_BACK, UNREACHABLE, Stop, TargetResult
 from pipeline.errors import PipelineError
+from pipeline.fleet.classes import DeviceClass
 from pipeline.fleet.inventory import Inventory, Policy
 from pipeline.fleet.ssh import FAILURES, Device, Refused, quiet_lost_connections
+from pipeline.layout import CURRENT, RELEASES
 
 Row = dict[str, Any]
 
@@ -82,7 +84,7 @@ async def _status_one(host: Host) -> Row:
         "l4t": facts.l4t or "?",
         "jetpack": facts.jetpack or "?",
         "tensorrt": facts.tensorrt or "?",
-        "class": facts.device_class,
+        "class": str(DeviceClass.probed(facts)),
         "free": f"{facts.free_bytes / 1e6:.0f} MB" if facts.free_bytes is not None else "?",
         "temp": f"{hottest:.1f} C" if hottest is not None else "?",
         "current": facts.current or "-",
@@ -99,7 +101,7 @@ async def _local_status_one(host: Host) -> Row:
     root = host.target.root
     async with host:
         facts = await remote.probe(host)
-        problem = await remote.verified(host, f"{root}/current") if facts.current else "no current release"
+        problem = await remote.verified(host, f"{root}/{CURRENT}") if facts.current else "no current release"
         releases = len(await remote.releases_on(host))
     row = {"target": host.target.name, "root": root, "current": facts.current or "-"}
     return row | {"previous": facts.previous or "-", "releases": releases, "verified": problem or "yes"}
@@ -125,7 +127,7 @@ async def _check_rollback(host: Host) -> None:
     facts = await remote.probe(host)
     if not facts.current or not facts.previous:
         raise PipelineError(f"{name}: nothing to roll back to ({root} has no current and previous release)")
-    problem = await remote.verified(host, f"{root}/releases/{facts.previous}")
+    problem = await remote.verified(host, f"{root}/{RELEASES}/{facts.previous}")
     if problem is not None:
         raise PipelineError(f"{name}: previous release {facts.previous} fails verification: {problem}")
 

@@ -22,8 +22,22 @@ from pipeline.deploy.result import ACTIVE, UNREACHABLE, UPLOAD_FAILED, TargetRes
 from pipeline.deploy.rollout import rollout, waves
 from pipeline.errors import PipelineError, TransientError
 from pipeline.files import read_json, write_json
+from pipeline.fleet.classes import host_class
 from pipeline.fleet.inventory import Policy, load_inventory
-from pipeline.layout import DEPLOY_PLAN, DEPLOY_RESULTS, MANIFEST, MODEL_JSON, ONNX, PLAN, SAMPLE
+from pipeline.layout import (
+    ACTIVATE,
+    BUILD_INFO_KEY,
+    DEPLOY_PLAN,
+    DEPLOY_RESULTS,
+    ENGINE_KEY,
+    MANIFEST,
+    MODEL_JSON,
+    ONNX,
+    PLAN,
+    SAMPLE,
+    class_of_engine_key,
+    engine_keys,
+)
 from pipeline.manifest import RunDir, Stage, StageResult, run_stage
 
 ACTIVATE_SCRIPT = Path(__file__).with_name("activate.sh")
@@ -37,7 +51,7 @@ def run(cfg: Config, run: RunDir, log: Callable[[str], None] = print) -> StageRe
 def local_engine(run: RunDir) -> tuple[Path, Path] | None:
     """(model.plan, build.json) of the engine the build stage made for this host, None when it made none."""
     engine = recorded_engine(run)
-    if engine is None or not str(read_json(engine[1]).get("class", "")).startswith("local"):
+    if engine is None or host_class(str(read_json(engine[1]).get("class", ""))) is None:
         return None
     return engine
 
@@ -48,9 +62,9 @@ def recorded_engine(run: RunDir) -> tuple[Path, Path] | None:
     if not entry or entry.get("status") not in ("done", "cached"):
         return None
     outputs = entry.get("outputs", {})
-    if "engine" not in outputs or "build_info" not in outputs:
+    if ENGINE_KEY not in outputs or BUILD_INFO_KEY not in outputs:
         return None
-    plan, info = inside(run, outputs["engine"]), inside(run, outputs["build_info"])
+    plan, info = inside(run, outputs[ENGINE_KEY]), inside(run, outputs[BUILD_INFO_KEY])
     if not plan.is_file():
         raise PipelineError(f"{plan}: the build stage recorded this engine but it is missing (run `pipeline build`)")
     return plan, info
@@ -64,9 +78,9 @@ def recorded_engines(run: RunDir) -> dict[str, tuple[Path, Path]]:
         return {}
     outputs = entry.get("outputs", {})
     engines = {
-        key.removeprefix("engine:"): (inside(run, path), inside(run, outputs.get(f"build_info:{key[7:]}", "")))
+        klass: (inside(run, path), inside(run, outputs.get(engine_keys(klass)[1], "")))
         for key, path in outputs.items()
-        if key.startswith("engine:")
+        if (klass := class_of_engine_key(key)) is not None
     }
     if not engines and (single := recorded_engine(run)) is not None:
         engines[str(read_json(single[1]).get("class", "unknown"))] = single
@@ -89,7 +103,7 @@ def inside(run: RunDir, rel: str) -> Path:
 def fleet_releases(run: RunDir, builds: DeviceBuilds | None = None) -> Releases:
     """The release for SSH devices: the run's files, the engine for each class (from the build stage, or from
     `builds` at install time for a class it has none for), and the activation script."""
-    return Releases(run, recorded_engines(run), {remote.ACTIVATE: ACTIVATE_SCRIPT}, builds)
+    return Releases(run, recorded_engines(run), {ACTIVATE: ACTIVATE_SCRIPT}, builds)
 
 
 def local_release(run: RunDir) -> HostRelease:
@@ -97,7 +111,7 @@ def local_release(run: RunDir) -> HostRelease:
     activation script."""
     engine = local_engine(run)
     engine_class = engine and str(read_json(engine[1])["class"])
-    return HostRelease(make_release(run, engine, engine_class, {remote.ACTIVATE: ACTIVATE_SCRIPT}))
+    return HostRelease(make_release(run, engine, engine_class, {ACTIVATE: ACTIVATE_SCRIPT}))
 
 
 def _body(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageResult:
@@ -136,9 +150,9 @@ def _fleet_body(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageRe
     write_json(run.path / DEPLOY_RESULTS, {"release": release, "inventory": str(inventory.path), "targets": targets})
     # Engines this deploy put into the run (built on a device, or found in a cache) are its outputs too.
     placed = {
-        f"{kind}:{klass}": str(path.relative_to(run.path))
+        key: str(path.relative_to(run.path))
         for klass, files in builds.placed.items()
-        for kind, path in zip(("engine", "build_info"), files, strict=True)
+        for key, path in zip(engine_keys(klass), files, strict=True)
     }
     return _outcome(release, rows, log, placed)
 

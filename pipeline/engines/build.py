@@ -29,7 +29,7 @@ from pipeline.engines import python_api
 from pipeline.engines.detect import Choice, Host, probe_host
 from pipeline.errors import PipelineError, TransientError
 from pipeline.files import first_line
-from pipeline.fleet.classes import device_class
+from pipeline.fleet.classes import DeviceClass
 from pipeline.fleet.inventory import SshTarget, load_inventory
 from pipeline.fleet.probe import SOCS, parse_facts, probe_script
 from pipeline.fleet.ssh import FAILURES, Device, Refused
@@ -155,7 +155,7 @@ async def _verify_python_api(ctx: Context, job: Job) -> dict[str, Any]:
 def _named_by(klass: BuildClass, built: Built) -> BuildClass:
     """This host's class as its build reports it (trtexec prints the GPU and TensorRT version it built with)."""
     sm = built.sm or klass.sm
-    name = device_class(sm, built.tensorrt_version or klass.tensorrt)
+    name = str(DeviceClass.this_host(sm, built.tensorrt_version or klass.tensorrt))
     return klass.model_copy(update={"name": name, "sm": sm or ""})
 
 

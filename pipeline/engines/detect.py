@@ -12,7 +12,7 @@ from typing import Literal
 from pipeline.config import BuildClass, BuildConfig
 from pipeline.engines import python_api
 from pipeline.errors import PipelineError
-from pipeline.fleet.classes import device_class
+from pipeline.fleet.classes import DeviceClass, host_class
 from pipeline.host import local_sm, python_api_problem
 from pipeline.trt import trtexec
 
@@ -64,7 +64,7 @@ class Host:
         sm = self.sm or _earlier_sm(engines, self.tensorrt_version)
         # Probed, not declared: the TensorRT version may be unknown (""), which a [[build.classes]] entry may not be.
         return BuildClass.model_construct(
-            name=device_class(sm, self.tensorrt_version),
+            name=str(DeviceClass.this_host(sm, self.tensorrt_version)),
             tensorrt=self.tensorrt_version or "",
             sm=sm or "",
             builder=self.choice.builder,
@@ -85,5 +85,6 @@ def probe_host(choice: Choice) -> Host:
 
 def _earlier_sm(engines: Path, version: str | None) -> str | None:
     """The GPU of the one `engines/local-<sm>-trt<version>` directory, None when there is none or several."""
-    earlier = sorted(engines.glob(f"local-sm*-trt{version}")) if version else []
-    return earlier[0].name.split("-")[1] if len(earlier) == 1 else None
+    names = [path.name for path in engines.iterdir()] if version and engines.is_dir() else []
+    sms = [k.sm for k in map(host_class, names) if k is not None and k.sm and k.tensorrt == version]
+    return sms[0] if len(sms) == 1 else None

@@ -23,7 +23,7 @@ from pipeline.errors import PipelineError, TransientError
 from pipeline.files import write_json
 from pipeline.fleet.classes import from_inventory
 from pipeline.fleet.inventory import load_inventory
-from pipeline.layout import CLASSES, ONNX
+from pipeline.layout import BUILD_INFO_KEY, CLASSES, ENGINE_KEY, ONNX, engine_keys
 from pipeline.manifest import RunDir, Stage, StageResult, run_stage
 from pipeline.trt.profile import input_profile
 
@@ -55,7 +55,7 @@ def _host_body(cfg: Config, run: RunDir, host: Host, log: Callable[[str], None])
     return StageResult(
         "build",
         "done",
-        outputs={"engine": row["engine"], "build_info": row["build_info"]},
+        outputs={ENGINE_KEY: row["engine"], BUILD_INFO_KEY: row["build_info"]},
         metrics={
             "engine_mb": round(engine_bytes / 1e6, 6),
             "engine_bytes": engine_bytes,
@@ -105,10 +105,11 @@ def _classes_body(cfg: Config, run: RunDir, log: Callable[[str], None]) -> Stage
     if not made:
         reason = "; ".join(f"{row['class']}: not built: {row['reason']}" for row in rows) or "no device classes"
         return StageResult("build", "skipped", outputs={"classes": CLASSES}, metrics=metrics, reason=reason)
-    outputs = {"engine": made[0]["engine"], "build_info": made[0]["build_info"], "classes": CLASSES}
+    outputs = {ENGINE_KEY: made[0]["engine"], BUILD_INFO_KEY: made[0]["build_info"], "classes": CLASSES}
     metrics["engine_mb"] = round((run.path / made[0]["engine"]).stat().st_size / 1e6, 6)
     for row in made:
-        outputs |= {f"engine:{row['class']}": row["engine"], f"build_info:{row['class']}": row["build_info"]}
+        engine, info = engine_keys(row["class"])
+        outputs |= {engine: row["engine"], info: row["build_info"]}
     return StageResult("build", "done", outputs=outputs, metrics=metrics)
 
 

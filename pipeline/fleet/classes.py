@@ -1,13 +1,16 @@
 """Device classes: declared in `[[build.classes]]`, or derived from what the deploy probe learns about devices.
 
-An engine is valid for one class: GPU compute capability and TensorRT version (the deploy probe names it
-`<family>-<sm>-trt<version>`, e.g. orin-sm87-trt10.3.0, and refuses engines of another class).
+An engine is valid for one class: GPU compute capability and TensorRT version. `DeviceClass` names it
+`<family>-<sm>-trt<version>`, e.g. orin-sm87-trt10.3.0 for a probed device (deploy refuses engines of another class)
+and local-sm87-trt10.3.0 for this host, and reads such a name back; a declared class may be named anything.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from pydantic import ValidationError
 
@@ -18,13 +21,66 @@ from pipeline.fleet.inventory import Inventory, SshTarget
 from pipeline.fleet.probe import SOCS, Facts, parse_facts, probe_script
 from pipeline.fleet.ssh import FAILURES, Device, Refused
 
+LOCAL = "local"
+"""The family of this host's class, and its whole name while its GPU or TensorRT version is unknown."""
+UNKNOWN = "unknown"
+"""The family of a probed device whose SoC this pipeline does not know."""
+_NAME = re.compile(r"(?P<family>[A-Za-z0-9][A-Za-z0-9._-]*?)-(?P<sm>sm\d+|sm\?)-trt(?P<tensorrt>\d+(?:\.\d+)*|\?)")
 
-def device_class(sm: str | None, trt_version: str | None) -> str:
-    """This host's class, `local-<sm>-trt<version>` when both are known, else plain "local" (an engine of unknown
-    provenance). Devices name theirs from the probe (`Facts.device_class`)."""
-    if sm and trt_version:
-        return f"local-{sm}-trt{trt_version}"
-    return "local"
+
+@dataclass(frozen=True)
+class DeviceClass:
+    """The machines an engine loads on, named `<family>-<sm>-trt<version>` (`str`) and read back by `parse`.
+
+    An unknown part is "" and named `sm?` / `trt?` (a probed device without a TensorRT package: orin-sm87-trt?); this
+    host's class with an unknown part is plain `local` (an engine of unknown provenance).
+    """
+
+    family: str
+    """`local` for this host, else the probed SoC's family (`orin`, `xavier`, ..., `unknown`)."""
+    sm: str = ""
+    """CUDA compute capability, e.g. `sm87`."""
+    tensorrt: str = ""
+    """TensorRT version, e.g. `10.3.0`."""
+
+    def __str__(self) -> str:
+        if self.family == LOCAL and not (self.sm and self.tensorrt):
+            return LOCAL
+        return f"{self.family}-{self.sm or 'sm?'}-trt{self.tensorrt or '?'}"
+
+    @classmethod
+    def this_host(cls, sm: str | None, tensorrt: str | None) -> DeviceClass:
+        """This host's class: `local-<sm>-trt<version>` when both are known, else `local`."""
+        return cls(LOCAL, sm or "", tensorrt or "") if sm and tensorrt else cls(LOCAL)
+
+    @classmethod
+    def probed(cls, facts: Facts) -> DeviceClass:
+        """A probed device's class, from its SoC (family and GPU) and its TensorRT package."""
+        family, sm = SOCS.get(facts.soc, (UNKNOWN, ""))
+        return cls(family, sm, facts.tensorrt)
+
+    @classmethod
+    def parse(cls, text: str) -> DeviceClass:
+        """The class `text` names (as `str` wrote it); a PipelineError when it names none."""
+        if text == LOCAL:
+            return cls(LOCAL)
+        match = _NAME.fullmatch(text)
+        if match is None:
+            raise PipelineError(
+                f"{text!r} is not a device class name (<family>-sm<N>-trt<version>, e.g. orin-sm87-trt10.3.0, or local)"
+            )
+        sm, tensorrt = match["sm"], match["tensorrt"]
+        return cls(match["family"], "" if sm == "sm?" else sm, "" if tensorrt == "?" else tensorrt)
+
+
+def host_class(name: str) -> DeviceClass | None:
+    """The class `name` names when it is this host's (`local`, `local-<sm>-trt<version>`), else None: a probed
+    device's, or a declared class's (declared names need not be device class names at all)."""
+    try:
+        klass = DeviceClass.parse(name)
+    except PipelineError:
+        return None
+    return klass if klass.family == LOCAL else None
 
 
 def from_facts(facts: Facts, target: str) -> BuildClass:
@@ -33,10 +89,10 @@ def from_facts(facts: Facts, target: str) -> BuildClass:
         raise PipelineError(f"{target}: the probe found no TensorRT package (tensorrt, libnvinfer8/10)")
     if facts.soc not in SOCS:
         raise PipelineError(f"{target}: unknown SoC {facts.soc or '(none)'!r} ({facts.model or 'unknown model'})")
-    sm = SOCS[facts.soc][1]
+    klass = DeviceClass.probed(facts)
     try:
         return BuildClass(
-            name=facts.device_class, tensorrt=facts.tensorrt, sm=sm, l4t=facts.l4t, builder="device", target=target
+            name=str(klass), tensorrt=facts.tensorrt, sm=klass.sm, l4t=facts.l4t, builder="device", target=target
         )
     except ValidationError as err:  # what a device reports is input too: a version like 10.3.0~rc1
         field = ".".join(str(part) for part in err.errors()[0]["loc"])

@@ -1,7 +1,8 @@
 """What a device is: board model, L4T release, JetPack and TensorRT versions, free space, temperature.
 
 One remote shell script prints `key=value` lines (device tree, /etc/nv_tegra_release, dpkg-query, df, thermal
-zones); `parse_facts` turns them into :class:`Facts`, and `device_class` names the engines the device can load.
+zones); `parse_facts` turns them into :class:`Facts`, from which `pipeline.fleet.classes.DeviceClass.probed` names
+the engines the device can load.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import contextlib
 import re
 import shlex
 from dataclasses import dataclass, field
+
+from pipeline.layout import CURRENT, PREVIOUS, RELEASES
 
 SOCS = {
     "nvidia,tegra264": ("thor", "sm110"),
@@ -38,7 +41,7 @@ for z in /sys/class/thermal/thermal_zone*; do
   [ -r "$z/temp" ] && echo "thermal=$(cat "$z/type" 2>/dev/null) $(cat "$z/temp")"
 done
 echo "hostname=$(hostname)"
-cd {shlex.quote(root)} 2>/dev/null && echo "current=$(readlink current)" && echo "previous=$(readlink previous)"
+cd {shlex.quote(root)} 2>/dev/null && echo "current=$(readlink {CURRENT})" && echo "previous=$(readlink {PREVIOUS})"
 true
 """
 
@@ -57,12 +60,6 @@ class Facts:
     hostname: str = ""
     current: str = ""
     previous: str = ""
-
-    @property
-    def device_class(self) -> str:
-        """`<family>-<sm>-trt<major.minor.patch>`, e.g. orin-sm87-trt10.3.0: engines load only on their class."""
-        family, sm = SOCS.get(self.soc, ("unknown", "sm?"))
-        return f"{family}-{sm}-trt{self.tensorrt or '?'}"
 
     @property
     def max_temp_c(self) -> float | None:
@@ -89,7 +86,7 @@ def parse_facts(text: str) -> Facts:
         elif key == "thermal":
             _thermal(facts, value)
         elif key in ("hostname", "current", "previous"):
-            setattr(facts, key, value.removeprefix("releases/"))
+            setattr(facts, key, value.removeprefix(f"{RELEASES}/"))
     if not facts.soc:
         facts.soc = next((soc for word, soc in _MODEL_FAMILIES if word in facts.model.lower()), "")
     return facts

@@ -32,6 +32,8 @@ from pipeline.fleet.names import safe_name
 from pipeline.fleet.ssh import Completed
 
 SUMS = "SHA256SUMS"
+PART = ".part"
+"""Suffix of the directory a bundle is staged in, `<parent>/<id>.part`, until it is whole and renamed to `<id>`."""
 FILE_NAME = re.compile(r"[A-Za-z0-9._-]{1,255}")
 COMMAND_BYTES = 64 * 1024
 """Most bytes of one remote command built from file names: half of Linux's 128 KiB cap on one argument (the
@@ -139,7 +141,7 @@ async def stage(host: Remote, parent: str, item: Bundle, workdir: Path, sent: Se
     the device already has; `sent` counts what it cost as it goes (so a cut upload still says what it sent). `also`:
     more shell globs, relative to `parent`, of files worth linking from (written by the caller, never from input)."""
     have = await _have(host, parent, item.id, also)
-    part = f"{item.id}.part"
+    part = f"{item.id}{PART}"
     wanted = [(name, local, item.sha256[name]) for name, local in item.files.items()]
     wanted.append((SUMS, item.sums_file(workdir), item.sums_sha256))
     links, sends = [], []
@@ -163,7 +165,7 @@ async def verify(host: Remote, parent: str, item: Bundle) -> None:
     """In `.part` on the device: remove what SHA256SUMS does not list (an interrupted upload's `.tmp`, a stale file:
     never promoted), sync the files and the directory to disk, then `sha256sum -c`. VerifyFailed when a file (or
     SHA256SUMS itself) does not match; the files that failed are removed so the next attempt sends them again."""
-    part = f"{parent}/{item.id}.part"
+    part = f"{parent}/{item.id}{PART}"
     # The names kept are read from the SHA256SUMS just sent (its digest is checked below), not written into the
     # command: a command is one argument of `sh -c`, which Linux caps at 128 KiB (MAX_ARG_STRLEN), a few thousand
     # names. Each name (after the 64 hex digits and two spaces) sits on its own line of `$keep`.
@@ -195,7 +197,7 @@ async def publish(host: Remote, parent: str, item: Bundle, live: tuple[str, str]
     """`.part` → `<parent>/<id>`, then `<parent>` synced. A `<id>` already there (damaged: `installed` said no) is
     moved aside first, unless `live` = (symlink, what it reads when it points at `<id>`) says it is in use: a live
     directory is never rewritten (the check runs on the device, right before the rename)."""
-    rid, aside, part = _q(item.id), _q(f".{item.id}.replaced"), _q(f"{item.id}.part")
+    rid, aside, part = _q(item.id), _q(f".{item.id}.replaced"), _q(f"{item.id}{PART}")
     in_use = f'[ "$(readlink {_q(live[0])})" != {_q(live[1])} ] && ' if live else ""
     command = (
         f"cd {_q(parent)} && rm -rf {aside} && {{ [ ! -e {rid} ] || {{ {in_use}mv {rid} {aside}; }}; }} && "
@@ -203,7 +205,7 @@ async def publish(host: Remote, parent: str, item: Bundle, live: tuple[str, str]
     )
     out = await host.run(command)
     if not out.ok:
-        raise PublishFailed(f"cannot rename {parent}/{item.id}.part: {out.tail()}")
+        raise PublishFailed(f"cannot rename {parent}/{item.id}{PART}: {out.tail()}")
 
 
 def _q(text: str) -> str:
@@ -234,14 +236,14 @@ async def _check(host: Remote, command: str, what: str) -> Completed:
 async def _have(host: Remote, parent: str, bundle_id: str, also: Sequence[str]) -> dict[str, str]:
     """sha256 → path (relative to `parent`) of every whole file in `parent`'s directories, in this `.part` and in
     `also`; symlinks and files reached through one are not taken (a link may lead anywhere)."""
-    part = _q(f"{bundle_id}.part")
+    part = _q(f"{bundle_id}{PART}")
     places = " ".join([f"{part}/*", f"{part}/.[!.]*", "*/*", "*/.[!.]*", *also])
     command = (
         f"mkdir -p {_q(parent)}/{part} && cd {_q(parent)} && for f in {places}; do "
         'case "$f" in *.tmp) continue ;; esac; [ -f "$f" ] && [ ! -L "$f" ] && [ ! -L "${f%/*}" ] && sha256sum "$f"; '
         "done; true"
     )
-    out = await _check(host, command, f"cannot prepare {parent}/{bundle_id}.part")
+    out = await _check(host, command, f"cannot prepare {parent}/{bundle_id}{PART}")
     have: dict[str, str] = {}
     for line in out.stdout.splitlines():
         digest, _, path = line.partition("  ")

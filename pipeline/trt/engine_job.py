@@ -18,7 +18,7 @@ from typing import Any
 from pipeline.config import BuildClass, BuildConfig
 from pipeline.errors import PipelineError
 from pipeline.files import sha256_file
-from pipeline.layout import PLAN, SAMPLE
+from pipeline.layout import ONNX_NAME, PLAN, SAMPLE
 from pipeline.trt import cache, flags, verify
 from pipeline.trt.built import Built
 from pipeline.trt.flags import Options
@@ -79,13 +79,13 @@ async def build(runner: Runner, job: Job) -> Built:
     chosen = flags.plan(job.version, job.options, job.run_path, job.jetpack)
     args, notes = flags.trtexec_args(job.version, chosen, job.options, job.profile)
     onnx = job.run_path / chosen.onnx
-    await runner.put(onnx, "model.onnx")
+    await runner.put(onnx, ONNX_NAME)
     # What trtexec reads is checked where it reads it: an upload cut short or damaged never gets built.
-    if await runner.sha256("model.onnx") != sha256_file(onnx):
+    if await runner.sha256(ONNX_NAME) != sha256_file(onnx):
         raise PipelineError(f"build: {chosen.onnx} on {runner.where} does not match its sha256 here")
     if (job.staging / CACHE).is_file():
         await runner.put(job.staging / CACHE, CACHE)
-    files = [f"--onnx={runner.path('model.onnx')}", f"--saveEngine={runner.path(PLAN)}"]
+    files = [f"--onnx={runner.path(ONNX_NAME)}", f"--saveEngine={runner.path(PLAN)}"]
     args = [*files, f"--timingCacheFile={runner.path(CACHE)}", *args]
     status, output = await runner.tool(args, job.staging / LOG, job.timeout_s)
     if status != 0:

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from pipeline.deploy.hosts import LocalSpot
 from pipeline.deploy.release import sums_text
-from pipeline.deploy.remote import parse_activation
+from pipeline.deploy.remote import ACTIVATE_NAMES, activate_command, parse_activation
 from pipeline.deploy.stage import ACTIVATE_SCRIPT
+from pipeline.layout import ACTIVATE
 
 
 def shell_env(kind: str, tmp_path: Path) -> tuple[list[str], dict[str, str]]:
@@ -31,24 +35,36 @@ def shell_env(kind: str, tmp_path: Path) -> tuple[list[str], dict[str, str]]:
     return [busybox, "sh"], {"PATH": str(bin_dir)}
 
 
-def make_release(root: Path, rid: str) -> None:
-    release = root / "releases" / rid
+def make_release(root: Path, rid: str, names: dict[str, str] = ACTIVATE_NAMES) -> None:
+    """Release `rid` as an upload leaves it, under the deploy root's `names` (activate.sh's environment)."""
+    release = root / names["RELEASES_DIR"] / rid
     release.mkdir(parents=True)
-    files = {"model.onnx": rid.encode() * 10, "labels.txt": b"a\n"}
+    files = {names["ONNX_FILE"]: rid.encode() * 10, "labels.txt": b"a\n"}
     for name, data in files.items():
         (release / name).write_bytes(data)
-    (release / "SHA256SUMS").write_text(sums_text({n: hashlib.sha256(d).hexdigest() for n, d in files.items()}))
-    shutil.copy(ACTIVATE_SCRIPT, release / "activate.sh")
+    (release / names["SUMS_FILE"]).write_text(sums_text({n: hashlib.sha256(d).hexdigest() for n, d in files.items()}))
+    shutil.copy(ACTIVATE_SCRIPT, release / ACTIVATE)
 
 
-def activate(shell: tuple[list[str], dict[str, str]], root: Path, rid: str, health: str = "", keep: int = 2) -> dict:
-    """Install release `rid` (as the controller would have) and run its activate.sh; returns the parsed report."""
-    if not (root / "releases" / rid).exists():
-        make_release(root, rid)
+def activate(
+    shell: tuple[list[str], dict[str, str]],
+    root: Path,
+    rid: str,
+    health: str = "",
+    keep: int = 2,
+    names: dict[str, str] = ACTIVATE_NAMES,
+) -> dict:
+    """Install release `rid` (as the controller would have) and run its activate.sh with the deploy root's `names` in
+    its environment, as the controller runs it; returns the parsed report."""
+    if not (root / names["RELEASES_DIR"] / rid).exists():
+        make_release(root, rid, names)
     argv, env = shell
-    script = root / "releases" / rid / "activate.sh"
+    script = root / names["RELEASES_DIR"] / rid / ACTIVATE
     out = subprocess.run(
-        [*argv, str(script), str(root), rid, str(keep), "", health], capture_output=True, text=True, env=env
+        [*argv, str(script), str(root), rid, str(keep), "", health],
+        capture_output=True,
+        text=True,
+        env={**env, **names},
     )
     report = parse_activation(out.stdout)
     assert (out.returncode == 0) == (report.get("status") == "ACTIVE"), out.stdout + out.stderr
@@ -125,3 +141,82 @@ def test_a_reader_always_finds_a_whole_release_during_switches(tmp_path: Path):
     assert reader.communicate(timeout=30)[0] == b""
     assert (os.readlink(root / "current"), os.readlink(root / "previous")) == ("releases/r1", "releases/r2")
     assert not list(root.glob(".current.new"))
+
+
+def test_the_deploy_roots_names_come_from_the_controller():
+    """The command the controller runs hands activate.sh every name it works with (from layout and upload), and the
+    script spells none of them itself (its comments and the report's `ACTIVATE key=` words aside)."""
+    spot = LocalSpot(name="here", root="/srv/edge", health_command="true")
+    command = shlex.split(activate_command(spot, "r1", 3))
+    assert command[: len(ACTIVATE_NAMES)] == [f"{var}={name}" for var, name in ACTIVATE_NAMES.items()]
+    assert command[len(ACTIVATE_NAMES) :] == [
+        "sh",
+        "/srv/edge/releases/r1/activate.sh",
+        "/srv/edge",
+        "r1",
+        "3",
+        "",
+        "true",
+    ]
+
+    script = ACTIVATE_SCRIPT.read_text()
+    required = re.search(r"^for name in (.*); do$", script, re.MULTILINE)
+    assert required is not None and required[1].split() == list(ACTIVATE_NAMES)
+    code = "\n".join(re.sub(r"(^|\s)#\s.*", "", line) for line in script.splitlines())
+    code = re.sub(r"ACTIVATE \w+=", "", code)
+    for name in ACTIVATE_NAMES.values():
+        assert re.search(rf"(?<![\w.]){re.escape(name)}(?![\w.])", code) is None, f"activate.sh spells {name!r}"
+
+
+def test_activate_works_on_whatever_names_it_is_handed(tmp_path: Path):
+    """Renamed in its environment, every name is used as given: the links, the releases' directory, the checksums
+    file and the model it preflights, the staging suffix it prunes."""
+    shell = shell_env("dash", tmp_path)
+    root = tmp_path / "edge"
+    names = {
+        "RELEASES_DIR": "versions",
+        "CURRENT_LINK": "live",
+        "PREVIOUS_LINK": "before",
+        "PART_SUFFIX": ".incoming",
+        "SUMS_FILE": "CHECKSUMS",
+        "PLAN_FILE": "engine.bin",
+        "ONNX_FILE": "net.onnx",
+        "SAMPLE_FILE": "probe.npz",
+    }
+    assert set(names) == set(ACTIVATE_NAMES)
+    assert activate(shell, root, "r1", names=names)["status"] == "ACTIVE"
+    (root / "versions/r9.incoming").mkdir()  # an interrupted upload of another release
+    assert activate(shell, root, "r2", names=names) == {
+        "status": "ACTIVE",
+        "current": "r2",
+        "previous": "r1",
+        "reason": "",
+    }
+    assert (os.readlink(root / "live"), os.readlink(root / "before")) == ("versions/r2", "versions/r1")
+    assert sorted(os.listdir(root / "versions")) == ["r1", "r2"]
+
+    make_release(root, "r3", names)
+    (root / "versions/r3/net.onnx").write_bytes(b"bit rot")
+    failed = activate(shell, root, "r3", names=names)
+    assert (failed["status"], failed["reason"]) == ("PREFLIGHT_FAILED", "preflight: files do not match CHECKSUMS")
+
+
+def test_activate_without_the_names_fails_before_touching_anything(tmp_path: Path):
+    """Run without the controller's environment (by hand, or by a controller that predates it), it reports FAILED
+    and leaves the deploy root as it was."""
+    root = tmp_path / "edge"
+    make_release(root, "r1")
+    missing = {var: name for var, name in ACTIVATE_NAMES.items() if var != "CURRENT_LINK"}
+    script = root / "releases/r1" / ACTIVATE
+    out = subprocess.run(
+        ["dash", str(script), str(root), "r1", "2", "", ""],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", **missing},
+    )
+    assert out.returncode == 1
+    assert parse_activation(out.stdout) == {
+        "status": "FAILED",
+        "reason": "CURRENT_LINK is not set (the controller sets it)",
+    }
+    assert sorted(os.listdir(root)) == ["releases"]

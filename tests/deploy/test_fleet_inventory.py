@@ -15,6 +15,7 @@ from pipeline.config import Config, DeployConfig
 from pipeline.deploy.remote import apply_activation, new_result
 from pipeline.deploy.rollout import plan_rows, waves
 from pipeline.errors import PipelineError
+from pipeline.fleet.classes import DeviceClass
 from pipeline.fleet.inventory import load_inventory
 from pipeline.fleet.probe import parse_facts
 from tests.harness.inventory import write_inventory
@@ -146,10 +147,10 @@ def test_probe_output_becomes_facts_and_a_device_class():
     assert (facts.jetpack, facts.tensorrt, facts.free_bytes) == ("6.2", "10.3.0", 51200 * 1024)
     assert facts.temperatures == {"cpu-thermal": 45.0, "gpu-thermal": 71.5} and facts.max_temp_c == 71.5
     assert (facts.current, facts.previous) == ("run-b-12345678", "run-a-12345678")
-    assert facts.device_class == "orin-sm87-trt10.3.0"
+    assert str(DeviceClass.probed(facts)) == "orin-sm87-trt10.3.0"
     xavier = parse_facts("model=NVIDIA Jetson Xavier NX Developer Kit\npkg=tensorrt 8.5.2.2-1+cuda11.4\n")
-    assert xavier.device_class == "xavier-sm72-trt8.5.2"  # no compatible: the SoC comes from the model name
-    assert parse_facts("model=\nfree_kb=\n").device_class == "unknown-sm?-trt?"
+    assert str(DeviceClass.probed(xavier)) == "xavier-sm72-trt8.5.2"  # no compatible: the SoC comes from the model name
+    assert str(DeviceClass.probed(parse_facts("model=\nfree_kb=\n"))) == "unknown-sm?-trt?"
 
 
 def test_activation_report_is_parsed_and_checked(tmp_path: Path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -489,7 +490,9 @@ class CutAfter:
         run, put = Device.run, Device.put
 
         async def counted_run(device: Device, command: str, *args: Any, **kwargs: Any) -> Any:
-            return self._done(device, f"run {command.split()[0]}", await run(device, command, *args, **kwargs))
+            # The program, past the `NAME=value` environment an activation starts with.
+            program = next(word for word in command.split() if not re.fullmatch(r"[A-Z_]+=\S*", word))
+            return self._done(device, f"run {program}", await run(device, command, *args, **kwargs))
 
         async def counted_put(device: Device, local: Path, remote_path: str) -> int:
             return self._done(device, f"put {Path(remote_path).name}", await put(device, local, remote_path))

@@ -208,3 +208,19 @@ def test_host_and_declared_classes_write_the_same_build_json_fields(
     assert host["class"] == "local" and klass["class"] == "orin-sm87-trt10.3.0"
     assert set(host) == set(klass)
     assert host["verification"]["loads"] and klass["verification"]["loads"]
+
+
+def test_this_hosts_gpu_comes_from_its_one_earlier_engine_directory(tmp_path: Path):
+    """trtexec names the GPU only while building: until then the one `engines/local-<sm>-trt<version>` directory of
+    this TensorRT version names it; none, or several, leave the class `local` for the build to name."""
+    host = detect.Host(detect.Choice("trtexec", trtexec="trtexec"), tensorrt_version="10.3.0")
+    engines = tmp_path / "engines"
+    assert host.as_class(engines).name == "local"
+    for other in ("orin-sm87-trt10.3.0", "local-sm72-trt8.5.2", "local", "a"):  # another device, TensorRT, or name
+        (engines / other).mkdir(parents=True)
+    (engines / "classes.json").write_text("[]\n")
+    assert host.as_class(engines).name == "local"
+    (engines / "local-sm87-trt10.3.0").mkdir()
+    assert (host.as_class(engines).name, host.as_class(engines).sm) == ("local-sm87-trt10.3.0", "sm87")
+    (engines / "local-sm89-trt10.3.0").mkdir()
+    assert host.as_class(engines).name == "local"
