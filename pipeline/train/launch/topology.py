@@ -1,6 +1,6 @@
 """Where this host's training ranks sit in a torchrun job, as the CLI's flags give it, and whether torchrun can start
-them here. Apart from the launcher so that the CLI and the stage can name it without importing what the launcher
-imports (models, data, torch)."""
+them here. Apart from the launcher so that the CLI and the stage's run() name it without the launcher's imports
+(`models`, hence torchvision: seconds); torch itself comes with the parent package, `pipeline.train`."""
 
 from __future__ import annotations
 
