@@ -161,19 +161,18 @@ def train(
     """Distributed training with torchrun; writes train/ in the run directory. With --inventory, on the
     inventory's devices, started from here over SSH."""
     from pipeline.train import run as train_stage
+    from pipeline.train.launch.topology import Topology
 
     with_inventory = [f"train.inventory={json.dumps(str(inventory.absolute()))}"] if inventory else []
     cfg, rd = open_run(config, run_dir, [*(set_ or []), *with_inventory] or None)
-    train_stage(
-        cfg,
-        rd,
-        log=log,
-        nproc_per_node=nproc_per_node,
+    topology = Topology(
         nnodes=nnodes,
         node_rank=node_rank,
         rdzv_endpoint=rdzv_endpoint,
+        nproc_per_node=nproc_per_node,
         local_addr=local_addr,
     )
+    train_stage(cfg, rd, log=log, topology=topology)
 
 
 def _stage_command(stage: str, doc: str) -> None:

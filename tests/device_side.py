@@ -1,7 +1,8 @@
 """The device side of training: the files a device imports to run `pipeline.train.rank.worker`, for `vermin`.
 
 Found from the static import graph (grimp, which import-linter uses), so an import added to any of them is checked
-too: these files must run on the oldest device Python (3.10, JetPack 6). `make test` passes them to vermin.
+too: these files must run on the oldest device Python (3.10, JetPack 6). `make test` passes them to vermin. Imports
+under `if TYPE_CHECKING:` are left out: they never run (`pipeline.train` names the controller's `Topology` so).
 
 Every import of a module the rank imports is followed, those inside its functions too (the rank may call them). A
 package whose `__init__` runs only because it holds such a module (`pipeline.train`, the stage's controller, is the
@@ -48,7 +49,7 @@ def _imports_on_import(graph: grimp.ImportGraph, module: str) -> set[str]:
 
 def device_modules(entry: str = ENTRY) -> set[str]:
     """`entry`, every module it imports directly or not, and the packages whose `__init__` importing them runs."""
-    graph = grimp.build_graph("pipeline", "models")
+    graph = grimp.build_graph("pipeline", "models", exclude_type_checking_imports=True)
     whole: set[str] = set()  # imported by the rank: all their imports followed
     body: set[str] = set()  # parents only: the imports their module body runs followed
     todo = [(entry, True)]

@@ -11,12 +11,16 @@ the controller's rooms at module level, only inside the functions the controller
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from pipeline import data, layout
 from pipeline.config import Config
 from pipeline.errors import PipelineError
 from pipeline.files import read_json, sha256_file
 from pipeline.manifest import RunDir, Stage, StageResult, cached_result, run_stage
+
+if TYPE_CHECKING:  # for the annotation only: run() imports launch/ itself, lazily
+    from pipeline.train.launch.topology import Topology
 
 SUMMARY_METRICS = (
     "val_accuracy",
@@ -55,35 +59,36 @@ def run(
     run: RunDir,
     log: Callable[[str], None] = print,
     *,
-    nnodes: int = 1,
-    node_rank: int = 0,
-    rdzv_endpoint: str | None = None,
-    nproc_per_node: int | None = None,
+    topology: Topology | None = None,
     output: Callable[[str], None] | None = None,
-    local_addr: str | None = None,
 ) -> StageResult:
     """Train (or resume training) into `run`'s train/ directory; cached when data, model and config are unchanged.
 
-    The keyword arguments place this node in a multi-node job (see :func:`launcher.launch`); every node must see
-    `run` on a shared filesystem, since each rank writes its checkpoint shard there and c10d may place global rank 0,
-    which writes the metrics and the summary, on any node. Only the node started with `node_rank` 0 records the
-    stage in the manifest: the others return "done" with no outputs, or node 0's result when it is cached, since
-    then node 0 starts nothing for them to join.
+    `topology` places this node in a multi-node torchrun job (None: this host alone); every node must see `run` on a
+    shared filesystem, since each rank writes its checkpoint shard there and c10d may place global rank 0, which
+    writes the metrics and the summary, on any node. Only the node with `node_rank` 0 records the stage in the
+    manifest: the others return "done" with no outputs, or node 0's result when it is cached, since then node 0
+    starts nothing for them to join.
     """
+    # launch/ is the controller's room: imported here, not at module level, since a rank imports this package.
+    from pipeline.train.launch.topology import SINGLE_NODE
+
+    here = topology or SINGLE_NODE
 
     def train_here() -> None:
-        from pipeline.train.launch.launcher import launch  # the controller's: a rank never imports it
+        from pipeline.train.launch.launcher import launch
 
-        launch(cfg, run.path, nnodes, node_rank, rdzv_endpoint, nproc_per_node, output, local_addr)
+        launch(cfg, run.path, here, output)
 
-    if node_rank != 0:
+    if here.node_rank != 0:
         # Node 0 will find the same manifest on the shared filesystem and launch nothing: joining the rendezvous
         # would only wait there until it timed out.
         if cached := cached_result(run, cfg, STAGE, log):
             return cached
         train_here()
-        log(f"[train] done: node {node_rank} of {nnodes}; node 0 records the run")
-        return StageResult("train", "done", reason=f"node {node_rank} of {nnodes}: node 0 records the run")
+        where = f"node {here.node_rank} of {here.nnodes}"
+        log(f"[train] done: {where}; node 0 records the run")
+        return StageResult("train", "done", reason=f"{where}: node 0 records the run")
 
     def body() -> StageResult:
         if cfg.train.inventory is not None:

@@ -12,16 +12,18 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import models
-from pipeline import data, host, layout
+from pipeline import data, layout
 from pipeline.config import Config, TrainConfig
 from pipeline.errors import PipelineError
 from pipeline.layout import CONFIG_SNAPSHOT
 from pipeline.manifest import RunDir
 from pipeline.train.compression import registry
 from pipeline.train.launch import procgroup
+from pipeline.train.launch.topology import SINGLE_NODE, Topology
 from pipeline.train.rank import checkpoint, finetune, runtime
 
 
@@ -32,37 +34,31 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def command(
-    run_dir: Path,
-    nproc_per_node: int,
-    nnodes: int,
-    node_rank: int,
-    rdzv_endpoint: str,
-    max_restarts: int = 0,
-    local_addr: str | None = None,
-) -> list[str]:
-    """The torchrun command line that starts this node's ranks of `pipeline.train.rank.worker`."""
+def command(run_dir: Path, topology: Topology, max_restarts: int = 0) -> list[str]:
+    """The torchrun command line that starts this node's ranks of `pipeline.train.rank.worker`, `topology` as
+    :func:`launch` settles it (its nproc_per_node and rdzv_endpoint set)."""
+    assert topology.nproc_per_node is not None and topology.rdzv_endpoint is not None
     local = []
-    if local_addr:
+    if local_addr := topology.local_addr:
         # torchrun otherwise advertises the address its hostname resolves to, wrong on hosts with several
         # interfaces, and guesses from the hostname whether it hosts the rendezvous store: say both outright
         # (docs/torch-distributed.md#choosing-the-rendezvous-host).
-        hosting = rdzv_endpoint.rsplit(":", 1)[0] == local_addr
+        hosting = topology.rdzv_endpoint.rsplit(":", 1)[0] == local_addr
         local = ["--local-addr", local_addr, "--rdzv-conf", f"is_host={int(hosting)}"]
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nproc-per-node",
-        str(nproc_per_node),
+        str(topology.nproc_per_node),
         "--nnodes",
-        str(nnodes),
+        str(topology.nnodes),
         "--node-rank",
-        str(node_rank),
+        str(topology.node_rank),
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
-        rdzv_endpoint,
+        topology.rdzv_endpoint,
         "--max-restarts",
         str(max_restarts),
         *local,
@@ -110,27 +106,6 @@ def preflight(cfg: Config) -> None:
         )
 
 
-def local_slots() -> int:
-    """How many ranks this node can run: one per GPU, else one per CPU core (more only time-share them)."""
-    import torch
-
-    return torch.cuda.device_count() if host.cuda_present() else len(os.sched_getaffinity(0))
-
-
-def _check_topology(nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None) -> None:
-    if nproc_per_node < 1:
-        raise PipelineError(f"--nproc-per-node: must be at least 1, got {nproc_per_node}")
-    if nproc_per_node > (slots := local_slots()):
-        where = "GPUs" if host.cuda_present() else "CPU cores"
-        raise PipelineError(f"--nproc-per-node: {nproc_per_node} ranks, but this node has {slots} {where}")
-    if nnodes < 1:
-        raise PipelineError(f"--nnodes: must be at least 1, got {nnodes}")
-    if not 0 <= node_rank < nnodes:
-        raise PipelineError(f"--node-rank: must be in [0, {nnodes}), got {node_rank}")
-    if nnodes > 1 and not rdzv_endpoint:
-        raise PipelineError("--rdzv-endpoint: required when --nnodes > 1 (host:port reachable from every node)")
-
-
 def _sync_snapshot(cfg: Config, run_dir: Path) -> None:
     """The ranks read the run's config snapshot: make sure it is the config this launch was given."""
     run = RunDir(run_dir)
@@ -139,32 +114,23 @@ def _sync_snapshot(cfg: Config, run_dir: Path) -> None:
 
 
 def launch(
-    cfg: Config,
-    run_dir: Path,
-    nnodes: int = 1,
-    node_rank: int = 0,
-    rdzv_endpoint: str | None = None,
-    nproc_per_node: int | None = None,
-    output: Callable[[str], None] | None = None,
-    local_addr: str | None = None,
+    cfg: Config, run_dir: Path, topology: Topology = SINGLE_NODE, output: Callable[[str], None] | None = None
 ) -> None:
     """Run torchrun for this node and wait for it, within `train.timeout_s`.
 
-    Single node by default, with a rendezvous on a free loopback port. Several nodes: call this on each with the
-    same `nnodes` and `rdzv_endpoint` (host:port of one of them) and its own `node_rank`, and `local_addr` (the
-    address the other nodes reach this one at) where the hostname does not resolve to it. Output is inherited, so
-    rank 0's progress bar shows live, unless `output` takes it line by line (a Prefect task's logger).
+    Single node by default, with a rendezvous on a free loopback port; several nodes: call this on each, with its
+    place in the job (:class:`Topology`). Output is inherited, so rank 0's progress bar shows live, unless `output`
+    takes it line by line (a Prefect task's logger).
     Raises PipelineError on a non-zero exit or a timeout; torchrun and all
     its ranks are stopped on every way out, Ctrl-C included.
     """
-    nproc = cfg.train.nproc_per_node if nproc_per_node is None else nproc_per_node
-    _check_topology(nproc, nnodes, node_rank, rdzv_endpoint)
+    nproc = topology.check(cfg.train.nproc_per_node)
     preflight(cfg)
     run_dir = Path(run_dir).resolve()
     checkpoint.resumable(run_dir / layout.CHECKPOINTS, cfg)  # refuse a foreign checkpoint before touching anything
     _sync_snapshot(cfg, run_dir)
-    endpoint = rdzv_endpoint or f"127.0.0.1:{free_port()}"
-    cmd = command(run_dir, nproc, nnodes, node_rank, endpoint, cfg.train.max_restarts, local_addr)
+    endpoint = topology.rdzv_endpoint or f"127.0.0.1:{free_port()}"
+    cmd = command(run_dir, replace(topology, nproc_per_node=nproc, rdzv_endpoint=endpoint), cfg.train.max_restarts)
     env = environment(cfg.train)
     if output is not None:
         env["TQDM_MININTERVAL"] = "30"  # a log line per bar redraw: keep redraws rare when output is logged

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,11 +16,13 @@ from pipeline.errors import PipelineError
 from pipeline.files import write_json
 from pipeline.manifest import create_run_dir
 from pipeline.train.launch import launcher
+from pipeline.train.launch.topology import Topology
 from pipeline.train.rank import checkpoint
 
 
 def test_command_runs_the_worker_module_under_torchrun() -> None:
-    cmd = launcher.command(Path("/runs/r1"), 4, 2, 1, "10.0.0.1:29500", max_restarts=3)
+    node_1 = Topology(nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29500", nproc_per_node=4)
+    cmd = launcher.command(Path("/runs/r1"), node_1, max_restarts=3)
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
     args = cmd[3:]
     pairs = dict(zip(args[::2], args[1::2], strict=False))
@@ -31,10 +34,10 @@ def test_command_runs_the_worker_module_under_torchrun() -> None:
     assert pairs["--max-restarts"] == "3"
     assert cmd[-4:] == ["-m", "pipeline.train.rank.worker", "--run-dir", "/runs/r1"]
     assert "--local-addr" not in cmd  # torchrun then looks the address up from the hostname
-    with_addr = launcher.command(Path("/runs/r1"), 1, 2, 1, "10.0.0.1:29500", local_addr="10.0.0.2")
+    with_addr = launcher.command(Path("/runs/r1"), replace(node_1, local_addr="10.0.0.2"))
     assert with_addr[with_addr.index("--local-addr") + 1] == "10.0.0.2"
     assert with_addr[with_addr.index("--rdzv-conf") + 1] == "is_host=0"
-    hosting = launcher.command(Path("/runs/r1"), 1, 2, 0, "10.0.0.1:29500", local_addr="10.0.0.1")
+    hosting = launcher.command(Path("/runs/r1"), replace(node_1, node_rank=0, local_addr="10.0.0.1"))
     assert hosting[hosting.index("--rdzv-conf") + 1] == "is_host=1"  # the endpoint is this node: it hosts
 
 
@@ -59,7 +62,7 @@ def test_environment_pins_threads_and_store_behaviour() -> None:
 )
 def test_bad_topology_is_rejected_before_anything_starts(tmp_path: Path, kwargs: dict, flag: str) -> None:
     with pytest.raises(PipelineError, match=flag):
-        launcher.launch(validate({}, "test"), tmp_path, **kwargs)
+        launcher.launch(validate({}, "test"), tmp_path, Topology(**kwargs))
     assert list(tmp_path.iterdir()) == []
 
 

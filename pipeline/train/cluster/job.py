@@ -1,0 +1,317 @@
+"""One SSH training job, driven from the controller's run directory: rounds of torchrun agents on a fixed set of
+devices, each new checkpoint copied back as it is committed, and the membership between rounds (devices that left,
+devices that came back). See :mod:`pipeline.train.cluster` for the design; :mod:`pipeline.train.cluster.rounds` runs
+a job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import secrets
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline import layout
+from pipeline.config import Config
+from pipeline.errors import PipelineError
+from pipeline.fleet import upload
+from pipeline.fleet.inventory import SshTarget
+from pipeline.fleet.ssh import FAILURES
+from pipeline.safe_dcp import read_metadata
+from pipeline.train.cluster import NodeCheck, bounds, check_one, nodedata, python_path
+from pipeline.train.cluster.agent import Printer, agent_script
+from pipeline.train.cluster.node import Node
+from pipeline.train.rank import checkpoint
+from pipeline.train.rank.runtime import DATA_LOCAL_ENV, DATA_PATH_ENV
+
+POLL_S = 2.0
+"""Seconds between the controller's looks at the devices: a new checkpoint to copy, the last step, a device back."""
+REJOIN_EVERY_S = 10.0
+"""Seconds between attempts to reach a device that left."""
+
+
+@dataclass
+class Event:
+    """A device that left or joined: when, the last step trained before, and the step training went on from."""
+
+    event: str
+    node: str
+    time: float
+    at_step: int
+    resumed_step: int
+
+    @property
+    def steps_lost(self) -> int:
+        """Steps trained after the checkpoint training went on from: done again."""
+        return max(self.at_step - self.resumed_step, 0)
+
+    def record(self) -> dict[str, Any]:
+        """As written to summary.json and metrics.jsonl."""
+        return {**asdict(self), "steps_lost": self.steps_lost}
+
+
+@dataclass
+class RoundEnd:
+    """How a round ended: finished, or with the devices that left, or to take in devices that came back."""
+
+    finished: bool = False
+    lost: list[Node] = field(default_factory=list)
+    joining: list[NodeCheck] = field(default_factory=list)
+
+
+class Job:
+    """One cluster training job, driven from the controller's run directory."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path,
+        nodes: list[NodeCheck],
+        code: upload.Bundle,
+        workdir: Path,
+        printer: Printer,
+        dataset: upload.Bundle | None = None,
+    ) -> None:
+        self.cfg, self.run_dir, self.code, self.workdir = cfg, run_dir, code, workdir
+        self.dataset = dataset
+        """The controller's image folder, sent to each device before it trains (`data.sync`); None: not sent."""
+        self.sent = {"code": sum(n.bytes_sent for n in nodes), "data": 0, "checkpoints": 0}
+        """Bytes sent to the devices, by what they were: what it cost to start (and restart) the job."""
+        self.minimum, self.maximum = bounds(cfg.train.devices, len(nodes))
+        self.ready, self.away = nodes[: self.maximum], list(nodes[self.maximum :])
+        self.printer = printer
+        # The run's directory on every device: named after the controller's, unique per controller path.
+        self.key = f"{run_dir.name}-{hashlib.sha256(str(run_dir).encode()).hexdigest()[:8]}"
+        self.token = secrets.token_hex(8)
+        self.events: list[Event] = []
+        self.last_step = 0
+        self.rounds = 0
+        self.port = 0
+        self.tqdm_quiet = printer.output is not None
+
+    # -- paths and state on the controller -----------------------------------------------------------------------
+
+    @property
+    def ckpt_root(self) -> Path:
+        """The controller's train/checkpoints."""
+        return self.run_dir / layout.CHECKPOINTS
+
+    def resumed_step(self) -> int:
+        """Step of the controller's latest complete checkpoint (0 without one)."""
+        found = checkpoint.latest(self.ckpt_root)
+        return checkpoint.read_meta(found)["step"] if found else 0
+
+    # -- the job ---------------------------------------------------------------------------------------------------
+
+    async def run(self, port: int) -> dict[str, Any]:
+        """Train to the end in rounds, the rendezvous store on `port`; returns what summary.json adds about the
+        cluster."""
+        self.port = port
+        members = [await Node.connect(check, self.key) for check in self.ready]
+        try:
+            while True:
+                self.rounds += 1
+                end = await self._round(members)
+                if end.finished:
+                    break
+                members = await self._regroup(members, end)
+        finally:
+            await asyncio.gather(*(node.stop() for node in members))
+            for node in members:
+                await node.close()
+        return {
+            "nodes": [n.name for n in members],
+            "rounds": self.rounds,
+            "events": [e.record() for e in self.events],
+            "bytes_sent": dict(self.sent),
+        }
+
+    async def _regroup(self, members: list[Node], end: RoundEnd) -> list[Node]:
+        """The next round's devices: those left, plus those that came back; refuses to go below the minimum."""
+        now, resumed = time.time(), self.resumed_step()
+        for node in end.lost:
+            self.events.append(Event("left", node.name, now, self.last_step, resumed))
+            self.away.append(node.check)
+            await node.close()
+        left = [n for n in members if n not in end.lost]
+        for check in end.joining:
+            self.events.append(Event("joined", check.target.name, now, self.last_step, resumed))
+            self.away = [c for c in self.away if c.target.name != check.target.name]
+            left.append(await Node.connect(check, self.key))
+        if len(left) < self.minimum:
+            gone = ", ".join(n.name for n in end.lost)
+            raise PipelineError(
+                f"train: {gone} left; {len(left)} devices remain, below train.devices' minimum {self.minimum}"
+            )
+        names = ", ".join(n.name for n in left)
+        self.printer.emit("controller", f"round {self.rounds + 1}: {names}, from step {resumed}", "\n")
+        return left
+
+    # -- one round -------------------------------------------------------------------------------------------------
+
+    async def _round(self, members: list[Node]) -> RoundEnd:
+        """Prepare every device, start its agent, and watch until the round ends one way or another."""
+        await self._prepare(members)
+        pumps = await self._start(members)
+        waits = {asyncio.create_task(n.exit_status()): n for n in members}
+        watcher = asyncio.create_task(self._watch(members))
+        try:
+            end = await self._first_end(members, waits, watcher)
+        finally:
+            watcher.cancel()
+            await asyncio.gather(*(node.stop() for node in members))
+            for task in (*waits, *pumps):
+                task.cancel()
+        await self._collect_newest(members)
+        return end
+
+    async def _prepare(self, members: list[Node]) -> None:
+        """Every device's run directory as the controller's, all at once; the bytes that cost counted."""
+        for sent in await asyncio.gather(*(n.prepare(self.run_dir, self.dataset, self.workdir) for n in members)):
+            for what, count in sent.items():
+                self.sent[what] += count
+
+    async def _start(self, members: list[Node]) -> list[asyncio.Task[None]]:
+        """Start every device's agent; returns the tasks that print their output."""
+        procs = [await node.start(self._script(node, len(members)), self.cfg.train.timeout_s) for node in members]
+        return [
+            asyncio.create_task(self.printer.pump(node.name, stream))
+            for node, proc in zip(members, procs, strict=True)
+            for stream in (proc.stdout, proc.stderr)
+        ]
+
+    async def _first_end(
+        self, members: list[Node], waits: dict[asyncio.Task[int | None], Node], watcher: asyncio.Task[RoundEnd]
+    ) -> RoundEnd:
+        """The round's end: the watcher's word, every agent done, or the devices whose agent failed and that no
+        longer answer (an agent that failed on a device still reachable fails the job)."""
+        done, _ = await asyncio.wait([*waits, watcher], return_when=asyncio.FIRST_COMPLETED)
+        if watcher in done:
+            return watcher.result()
+        statuses = await _exit_statuses(waits, done)
+        if all(code == 0 for code in statuses.values()):
+            await self._finish(members)
+            return RoundEnd(finished=True)
+        await asyncio.gather(*(node.stop() for node in members))
+        lost = [n for n in members if not await n.alive()]
+        if not lost:
+            codes = ", ".join(f"{name} {code}" for name, code in statuses.items())
+            raise PipelineError(f"train: the agents failed ({codes}) with every device still reachable; see above")
+        return RoundEnd(lost=lost)
+
+    def _script(self, node: Node, nnodes: int) -> str:
+        """The wrapper that starts `node`'s agent in this round of `nnodes` devices."""
+        target = node.check.target
+        torchrun = [
+            *("--nproc-per-node", str(target.nproc_per_node), "--nnodes", f"{nnodes}:{nnodes}"),
+            *("--rdzv-backend", "c10d", "--rdzv-id", f"{self.key}-{self.rounds}"),
+            # No agent hosts the store (docs/torch-distributed.md#choosing-the-rendezvous-host).
+            *("--rdzv-conf", "is_host=0,join_timeout=120", "--max-restarts", "0"),
+        ]
+        script = agent_script(node.run_dir, target.python, self._agent_env(target), torchrun, self.token, target.addr)
+        return script.replace('"$ctl:$PORT"', f'"$ctl:{self.port}"')
+
+    def _agent_env(self, target: SshTarget) -> dict[str, str]:
+        """The environment of `target`'s agent and ranks."""
+        env = {
+            **self.cfg.train.env,
+            "PYTHONPATH": python_path(target, self.code.id),
+            # docs/torch-distributed.md#stale-rendezvous-store-after-restarts
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            "OMP_NUM_THREADS": str(self.cfg.train.threads_per_rank),
+            "PORT": str(self.port),
+        }
+        if nodedata.node_local(self.cfg):
+            env[DATA_LOCAL_ENV] = "1"
+        if self.dataset is not None:
+            env[DATA_PATH_ENV] = nodedata.tree_dir(target, self.dataset.id)
+        if target.ifname:
+            env |= {"GLOO_SOCKET_IFNAME": target.ifname, "NCCL_SOCKET_IFNAME": target.ifname}
+        if self.tqdm_quiet:
+            env["TQDM_MININTERVAL"] = "30"  # a log line per bar redraw: keep redraws rare when output is logged
+        return env
+
+    # -- while a round runs, and after the last ----------------------------------------------------------------------
+
+    async def _watch(self, members: list[Node]) -> RoundEnd:
+        """While the round runs: copy each new checkpoint; end the round when a device that left is back and a
+        checkpoint newer than its return is here."""
+        back: list[NodeCheck] = []
+        back_at = 0
+        tried = 0.0
+        while True:
+            await asyncio.sleep(POLL_S)
+            await self._collect_newest(members)
+            if back and self.resumed_step() > back_at:
+                return RoundEnd(joining=back)
+            if self.away and not back and time.monotonic() - tried > REJOIN_EVERY_S and len(members) < self.maximum:
+                tried = time.monotonic()
+                back = await self._ready_again(self.maximum - len(members))
+                back_at = self.resumed_step()
+
+    async def _ready_again(self, room: int) -> list[NodeCheck]:
+        """Check the devices that left again; up to `room` of them that are ready."""
+        checks = await asyncio.gather(*(check_one(c.target, self.code, self.workdir) for c in self.away))
+        self.sent["code"] += sum(c.bytes_sent for c in checks)
+        return [c for c in checks if c.status == "ready"][:room]
+
+    async def _collect_newest(self, members: list[Node]) -> None:
+        """Copy the newest checkpoint the reachable devices committed, if it is newer than the controller's."""
+        best = -1
+        for node in members:
+            with contextlib.suppress(*FAILURES):
+                step, last = await node.state()
+                best, self.last_step = max(best, step), max(self.last_step, last)
+        if best > self.resumed_step() or (best >= 0 and checkpoint.latest(self.ckpt_root) is None):
+            with contextlib.suppress(*FAILURES):
+                await self._collect(members, best)
+
+    async def _collect(self, members: list[Node], step: int) -> None:
+        """Copy checkpoint `step` from every device into the controller's run directory; committed once it is whole,
+        else left to complete at the next look."""
+        name = f"step-{step}"
+        if (self.ckpt_root / name / checkpoint.TRAINER_JSON).is_file():
+            return
+        part = self.ckpt_root / f".{name}.part"
+        part.mkdir(parents=True, exist_ok=True)
+        for node in members:
+            await node.get_checkpoint(name, part)
+        if not (part / checkpoint.TRAINER_JSON).is_file() or not _whole(part):
+            return
+        part.rename(self.ckpt_root / name)
+        checkpoint.point_latest(self.ckpt_root, name)
+        checkpoint.prune(self.ckpt_root, self.cfg.train.keep_checkpoints)
+
+    async def _finish(self, members: list[Node]) -> None:
+        """After the last round: the final checkpoint, and rank 0's metrics, dataset and summary."""
+        await self._collect_newest(members)
+        for node in members:
+            if await node.get_results(self.run_dir):
+                return
+        raise PipelineError("train: the agents finished but no device holds summary.json")
+
+
+async def _exit_statuses(
+    waits: dict[asyncio.Task[int | None], Node], done: set[asyncio.Task[Any]]
+) -> dict[str, int | None]:
+    """The exit status of every agent that exited (`done`), by device name. When all of those succeeded, the others'
+    too, awaited: one agent finished, the others finish with it (the workers' last collective is a barrier)."""
+    statuses = {waits[t].name: t.result() for t in done}
+    if all(code == 0 for code in statuses.values()):
+        rest = [t for t in waits if t not in done]
+        statuses |= {waits[t].name: code for t, code in zip(rest, await asyncio.gather(*rest), strict=True)}
+    return statuses
+
+
+def _whole(step_dir: Path) -> bool:
+    """True when every file the checkpoint's metadata names is here."""
+    try:
+        metadata = read_metadata(step_dir)
+    except (PipelineError, OSError):
+        return False
+    names = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    return all((step_dir / name).is_file() for name in names)

@@ -1,0 +1,153 @@
+"""One device of the SSH job as the controller holds it: its connection, its run directory and its running agent,
+and the files that go between that run directory and the controller's (the config, the metrics so far and the
+checkpoint training goes on from, there; checkpoint files and rank 0's results, back)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncssh
+
+from pipeline import layout
+from pipeline.errors import PipelineError
+from pipeline.fleet import upload
+from pipeline.fleet.ssh import FAILURES, Device
+from pipeline.train.cluster import NodeCheck, nodedata
+from pipeline.train.rank import checkpoint
+
+STOP_WAIT_S = 20.0
+"""How long the controller waits for a stopped device to confirm that its processes are gone."""
+_STEP = re.compile(r"step-(\d+)")
+
+
+@dataclass
+class Node:
+    """A device taking part: its check, its open connection, its run directory, its running agent."""
+
+    check: NodeCheck
+    dev: Device
+    run_dir: str
+    proc: asyncssh.SSHClientProcess[str] | None = None
+
+    @classmethod
+    async def connect(cls, check: NodeCheck, key: str) -> Node:
+        """Open the device's connection; its run directory is named `key` (the job's, the same on every device)."""
+        target = check.target
+        dev = await Device(target, command_timeout_s=300).__aenter__()
+        return cls(check, dev, f"{target.root}/train/runs/{key}")
+
+    @property
+    def name(self) -> str:
+        """The inventory name."""
+        return self.check.target.name
+
+    async def close(self) -> None:
+        """Close the connection."""
+        await self.dev.__aexit__(None, None, None)
+
+    # -- the agent ---------------------------------------------------------------------------------------------------
+
+    async def start(self, script: str, timeout_s: int) -> asyncssh.SSHClientProcess[str]:
+        """Start the agent's wrapper `script`, stopped by the device itself after `timeout_s`."""
+        self.proc = await self.dev.start(script, timeout_s)
+        return self.proc
+
+    async def exit_status(self) -> int | None:
+        """The agent's exit status; None when the connection was lost (the device is gone or unreachable)."""
+        assert self.proc is not None
+        try:
+            done = await self.proc.wait()
+        except FAILURES:
+            return None
+        return done.exit_status
+
+    async def alive(self) -> bool:
+        """True when the device still answers a command."""
+        try:
+            return (await asyncio.wait_for(self.dev.run("true", timeout_s=10), timeout=15)).ok
+        except FAILURES:
+            return False
+
+    async def stop(self) -> None:
+        """Close the agent's stdin: the wrapper stops every process it marked; wait (bounded) until it has."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(*FAILURES, asyncssh.Error, BrokenPipeError):
+            proc.stdin.write_eof()
+            await asyncio.wait_for(proc.wait(), timeout=STOP_WAIT_S)
+        proc.close()
+
+    # -- files between the controller and the device -----------------------------------------------------------------
+
+    async def prepare(self, run_dir: Path, dataset: upload.Bundle | None, workdir: Path) -> dict[str, int]:
+        """The device's run directory as the controller's `run_dir`: config, metrics so far, the latest complete
+        checkpoint, and the `dataset` when it is sent. Returns the bytes sent, by what they were."""
+        ckpts = f"{self.run_dir}/{layout.CHECKPOINTS}"
+        await _must(self.dev, f"mkdir -p {shlex.quote(ckpts)} && rm -f {shlex.quote(self.run_dir)}/{layout.SUMMARY}")
+        sent = {"data": 0, "checkpoints": 0}
+        if dataset is not None:  # every round: a device that comes back may have lost it (or never had it)
+            sent["data"] = await nodedata.send(self.dev, dataset, workdir)
+        await self.dev.put(run_dir / layout.CONFIG_SNAPSHOT, f"{self.run_dir}/{layout.CONFIG_SNAPSHOT}")
+        if (run_dir / layout.METRICS).exists():
+            await self.dev.put(run_dir / layout.METRICS, f"{self.run_dir}/{layout.METRICS}")
+        found = checkpoint.latest(run_dir / layout.CHECKPOINTS)
+        if found is not None:
+            files = {p.name: p for p in sorted(found.iterdir()) if p.is_file()}
+            sent["checkpoints"] = (await upload.send(self.dev, ckpts, upload.bundle(found.name, files), workdir)).bytes
+        await self._keep_only(found.name if found else "")
+        return sent
+
+    async def _keep_only(self, keep: str) -> None:
+        """Only the checkpoint training goes on from stays: older ones and those of an abandoned round go."""
+        ckpts = f"{self.run_dir}/{layout.CHECKPOINTS}"
+        await _must(
+            self.dev,
+            f'cd {shlex.quote(ckpts)} && for d in step-* .step-*; do [ "$d" = \'{keep}\' ] || rm -rf "$d"; done; '
+            + (f"ln -sfn {keep} latest" if keep else "rm -f latest"),
+        )
+
+    async def state(self) -> tuple[int, int]:
+        """(the step the device's `latest` points to, the last step in its metrics); -1 where there is none."""
+        run = shlex.quote(self.run_dir)
+        out = await self.dev.run(
+            f"readlink {run}/{layout.LATEST}; echo; tail -n 3 {run}/{layout.METRICS} 2>/dev/null; true", timeout_s=20
+        )
+        lines = out.stdout.splitlines()
+        steps = [json.loads(x).get("step", -1) for x in lines[2:] if x.startswith("{") and x.endswith("}")]
+        return _step_of(lines[0] if lines else ""), max(steps, default=-1)
+
+    async def get_checkpoint(self, name: str, part: Path) -> None:
+        """Copy the device's files of checkpoint `name` that `part` (the controller's copy in progress) lacks."""
+        where = f"{self.run_dir}/{layout.CHECKPOINTS}/{name}"
+        out = await self.dev.run(f"cd {shlex.quote(where)} 2>/dev/null && ls -A; true", timeout_s=20)
+        for file in out.stdout.split():
+            if file != upload.SUMS and not file.endswith(".tmp") and not (part / file).exists():
+                await self.dev.get(f"{where}/{file}", part / file)
+
+    async def get_results(self, run_dir: Path) -> bool:
+        """Copy rank 0's metrics, dataset and summary into `run_dir`; False when this device ran no rank 0 (holds no
+        summary.json)."""
+        run = self.run_dir
+        if not (await self.dev.run(f"test -f {shlex.quote(run)}/{layout.SUMMARY}")).ok:
+            return False
+        for rel in (layout.METRICS, layout.DATASET, layout.SUMMARY):
+            await self.dev.get(f"{run}/{rel}", run_dir / rel)
+        return True
+
+
+def _step_of(name: str) -> int:
+    match = _STEP.fullmatch(name.strip())
+    return int(match[1]) if match else -1
+
+
+async def _must(dev: Device, command: str) -> None:
+    out = await dev.run(command)
+    if not out.ok:
+        raise PipelineError(f"{dev.target.name}: `{command[:60]}...`: {out.tail()}")
