@@ -6,6 +6,7 @@ manifest"), so its names are the stages' contract. A release on a device reuses 
 
 from __future__ import annotations
 
+# the run: its lineage manifest, the config it ran with, and the report of it.
 MANIFEST = "manifest.json"
 CONFIG_SNAPSHOT = "config.json"
 REPORT = "report.md"
