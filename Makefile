@@ -34,7 +34,7 @@ SYSTEM_PKGS := $(JETSON_PKGS) $(BROWSER_PKGS) $(PHOTO_PKGS) $(TRACE_PKGS)
 OLDEST := .venv-oldest
 PY310  ?= $(firstword $(wildcard /root/.pyenv/versions/3.10.*/bin/python3.10) $(shell command -v python3.10))
 
-.PHONY: demo test test-all test-oldest test-latest lint lock lock-upgrade fresh-check system-deps clean
+.PHONY: demo test test-all test-oldest test-latest lint docs lock lock-upgrade fresh-check system-deps clean
 
 # uv comes from the lock too: pip installs its one hashed entry (awk cuts it out), then uv installs the rest.
 $(BIN)/uv:
@@ -55,6 +55,7 @@ test: $(STAMP) system-deps
 	$(BIN)/lint-imports
 	$(BIN)/vermin -q --target=3.6- --no-tips --violations pipeline/fleet/devicecheck.py  # runs on any device Python
 	$(BIN)/vermin -q --target=3.10- --no-tips --violations --eval-annotations $$($(BIN)/python -m tests.device_side)
+	$(BIN)/mkdocs build --strict
 	$(BIN)/pytest -m "not slow"
 	$(MAKE) test-oldest
 
@@ -94,6 +95,11 @@ test-latest: system-deps | $(BIN)/uv
 fresh-check:
 	bash .ci/fresh-check
 
+# The docs site into artifacts/site/ (open artifacts/site/index.html); strict: a broken link, a missing anchor, a page
+# left out of the nav or an unknown generated block fails it (docs/install.md, "The docs site").
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
+
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-imports
 
@@ -106,4 +112,4 @@ system-deps:
 	else echo "tests needing them will skip: missing $$missing (apt-get install $$missing, as root)"; fi
 
 clean:
-	rm -rf artifacts/runs artifacts/devices .pytest_cache
+	rm -rf artifacts/runs artifacts/devices artifacts/site .pytest_cache

@@ -1,7 +1,7 @@
 """Typed pipeline configuration: one TOML table per stage, overridable with ``--set section.key=value``.
 
-Every field carries a docstring (pydantic reads them as descriptions), so ``pipeline config --help``-style
-introspection and the README stay in step with the code.
+Every field carries a docstring (pydantic reads them as descriptions): the config reference of the docs site
+(docs/reference/config.md) is generated from them, so it says what the code says.
 
 Over the project's ~450 lines a module on purpose: it is the config reference, one section class per TOML table, read
 top to bottom like the file a user writes; the loading and error-wording code at its end is a few dozen lines.

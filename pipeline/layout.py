@@ -9,6 +9,7 @@ manifest"), so its names are the stages' contract. A device's deploy root is a s
 
 from __future__ import annotations
 
+# the run: its lineage manifest, the config it ran with, and the report of it.
 MANIFEST = "manifest.json"
 CONFIG_SNAPSHOT = "config.json"
 REPORT = "report.md"

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import IO, Any, Literal, TypedDict
 
 from pipeline.config import Config, upgrade_snapshot, validate
 from pipeline.errors import PipelineError
@@ -37,11 +37,30 @@ class StageResult:
     """What a stage hands back: its status, outputs (paths relative to the run dir) and metrics."""
 
     stage: str
+    """The stage's name."""
     status: Status
+    """`done` (it ran), `cached` (config, inputs and outputs unchanged since it last ran) or `skipped`."""
     outputs: dict[str, str] = field(default_factory=dict)
+    """What it wrote, by name: paths relative to the run directory."""
     metrics: dict[str, Any] = field(default_factory=dict)
+    """The stage's numbers and facts (train's `val_accuracy`, for one), which later stages and `pipeline runs` read."""
     reason: str = ""
     """Why the stage was skipped or cached; empty when it ran."""
+
+
+class Lineage(TypedDict):
+    """What the stage runner records beside a stage's result in `manifest.json`: its cache key and what it wrote."""
+
+    config_digest: str
+    """sha256 of the config sections the stage declares (`Config.digest`)."""
+    inputs: dict[str, str]
+    """sha256 of every input file (paths relative to the run directory) and the stage's outside fingerprints."""
+    output_hashes: dict[str, str]
+    """sha256 of every file it wrote, checked before a cached result is trusted."""
+    seconds: float
+    """Wall time of the stage."""
+    finished: str
+    """When it ended, ISO 8601 in UTC."""
 
 
 @dataclass(frozen=True)
@@ -164,7 +183,7 @@ class RunDir:
         """The config snapshot written when the run started."""
         return validate(self.config_data(), str(self.path / CONFIG_SNAPSHOT))
 
-    def record(self, result: StageResult, entry: dict[str, Any]) -> None:
+    def record(self, result: StageResult, entry: Lineage) -> None:
         """Store a stage's result and lineage in the manifest."""
         with self._update() as manifest:
             manifest["stages"][result.stage] = {**asdict(result), **entry}
@@ -266,7 +285,7 @@ def _run_locked(
     started = time.perf_counter()
     result = body()
     seconds = round(time.perf_counter() - started, 3)
-    entry = {
+    entry: Lineage = {
         "config_digest": digest,
         "inputs": input_hashes,
         "output_hashes": run.hashes(list(result.outputs.values())),

@@ -29,7 +29,6 @@ from tests.train.ranks import run_ranks
 METHODS = tuple(name for name, m in registry.METHODS.items() if m.install is None)
 """The fixed methods, each registering its own hook (`auto` switches among them: test_auto.py)."""
 BLOCKING = tuple(name for name, m in registry.METHODS.items() if m.blocking)
-DOCS = Path(__file__).parents[3] / "docs" / "compression.md"
 WARMUP, RANK, FRACTION, PERIOD = 3, 2, 0.01, 4
 KNOBS = {"compression_warmup_steps": WARMUP, "powersgd_rank": RANK, "topk_fraction": FRACTION}
 KNOBS["localsgd_period"] = PERIOD
@@ -179,16 +178,6 @@ def test_warmup_steps_follow_the_epochs_the_settings_and_a_resume() -> None:
     assert registry.warmup_steps(cfg, 23, done=10) == 13  # resumed part-way through the warm-up
     assert registry.warmup_steps(cfg, 23, done=40) == 0
     assert registry.warmup_steps(psgd, 23, done=40) == 2  # again after each start of the process
-
-
-def test_the_docs_table_is_the_registry() -> None:
-    """docs/compression.md's table of methods is :func:`registry.table`'s output, pasted between its markers."""
-    text = DOCS.read_text()
-    begin, end = "<!-- methods: registry.table() -->\n", "<!-- end methods -->"
-    assert text[text.index(begin) + len(begin) : text.index(end)] == registry.table(), (
-        "docs/compression.md: paste `python -c 'from pipeline.train.compression import registry; "
-        'print(registry.table(), end="")\'` between the markers'
-    )
 
 
 def test_a_new_method_is_one_record(tmp_path: Path) -> None:
