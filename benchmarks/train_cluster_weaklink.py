@@ -366,7 +366,7 @@ def save(path: Path, result: dict[str, Any]) -> None:
 
 
 def table(result: dict[str, Any]) -> str:
-    """The README's markdown table."""
+    """The markdown table of docs/how-to/compression.md ("On a WiFi cluster of Jetsons")."""
     out = ["| run | s/step | speed-up vs none | KB/step | val accuracy | code + data sent | link bytes out / back |"]
     out.append("|---|---|---|---|---|---|---|")
     for r in result["runs"]:

@@ -23,7 +23,9 @@ from pipeline.stages import STAGES, existing_run, open_run, run_one, run_pipelin
 from pipeline.tables import Col, print_rows
 
 app = typer.Typer(
-    help="Train-to-deploy pipeline for edge AI.",
+    help="Train-to-deploy pipeline for edge AI. `python -m pipeline` is the same command.\n\n"
+    "Errors you can cause (config, paths, corrupt files) end with one line on stderr and exit code 2; nothing is "
+    "overwritten.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_show_locals=False,  # locals may hold keys and hostnames
@@ -60,7 +62,13 @@ def _version(value: bool) -> None:
 def options(
     version: Annotated[
         bool,
-        typer.Option("--version", callback=_version, is_eager=True, help="Print version and source revision, exit."),
+        typer.Option(
+            "--version",
+            callback=_version,
+            is_eager=True,
+            help="Print the version and the commit the package was built from (-dirty: with uncommitted changes), "
+            "exit.",
+        ),
     ] = False,
     verbose: Annotated[
         bool, typer.Option("--verbose", "-v", help="Also print the debug log: warnings from the libraries underneath.")
@@ -74,6 +82,10 @@ def options(
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML config (default: quickstart).")]
 RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="Run directory (default: new, in run.runs_root).")]
 ExistingRunDir = Annotated[Path, typer.Option("--run-dir", help="Run directory made by an earlier stage.")]
+RunConfigOpt = Annotated[
+    Path | None,
+    typer.Option("--config", "-c", help="TOML config replacing the run's own (default: <run-dir>/config.json)."),
+]
 SetOpt = Annotated[
     list[str] | None, typer.Option("--set", help="Override a config key: section.key=value (value read as TOML).")
 ]
@@ -81,7 +93,14 @@ InventoryOpt = Annotated[
     Path | None, typer.Option("--inventory", "-i", help="Fleet inventory TOML (SSH devices); sets deploy.inventory.")
 ]
 WideOpt = Annotated[bool, typer.Option("--wide", "-w", help="Show every column, none shortened.")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print the rows as JSON (every column), nothing else.")]
+JsonOpt = Annotated[
+    bool,
+    typer.Option(
+        "--json",
+        help="Print the rows as a JSON list (every column) and nothing else on stdout; progress lines go to stderr, "
+        "the exit code is the same.",
+    ),
+]
 
 
 def _stage_config(config: Path | None, run_dir: Path, overrides: list[str] | None) -> tuple[Config, RunDir]:
@@ -159,7 +178,13 @@ def train(
     ] = None,
 ) -> None:
     """Distributed training with torchrun; writes train/ in the run directory. With --inventory, on the
-    inventory's devices, started from here over SSH."""
+    inventory's devices, started from here over SSH.
+
+    Several hosts on a shared filesystem: start the same command on each with --nnodes, --node-rank and
+    --rdzv-endpoint; the run directory must be on the shared filesystem, and node 0 records the stage in the
+    manifest. --local-addr is needed where the hostname resolves to another interface (WiFi and Ethernet, a
+    container).
+    """
     from pipeline.train import run as train_stage
     from pipeline.train.launch.topology import Topology
 
@@ -176,7 +201,7 @@ def train(
 
 
 def _stage_command(stage: str, doc: str) -> None:
-    def command(run_dir: ExistingRunDir, config: ConfigOpt = None, set_: SetOpt = None) -> None:
+    def command(run_dir: ExistingRunDir, config: RunConfigOpt = None, set_: SetOpt = None) -> None:
         cfg, rd = _stage_config(config, run_dir, set_)
         run_one(stage, cfg, rd, log=log)
 
@@ -185,13 +210,17 @@ def _stage_command(stage: str, doc: str) -> None:
 
 
 _stage_command("consolidate", "Merge the latest sharded checkpoint into model/model.safetensors + model.json.")
-_stage_command("export", "Export ONNX with a dynamic batch axis and check parity against PyTorch.")
+_stage_command(
+    "export",
+    "Export ONNX with a dynamic batch axis and check parity against PyTorch (and the accuracy of the fp16 and int8 "
+    "variants export.variants names); onnx/ is replaced only when every gate passes.",
+)
 
 
 @app.command(name="build")
 def build_command(
     run_dir: ExistingRunDir,
-    config: ConfigOpt = None,
+    config: RunConfigOpt = None,
     set_: SetOpt = None,
     inventory: InventoryOpt = None,
 ) -> None:
@@ -215,9 +244,13 @@ def _inventory(config: Path | None, overrides: list[str] | None, inventory: Path
 
 @deploy_app.command("run")
 def deploy_run(
-    run_dir: ExistingRunDir, config: ConfigOpt = None, set_: SetOpt = None, inventory: InventoryOpt = None
+    run_dir: ExistingRunDir, config: RunConfigOpt = None, set_: SetOpt = None, inventory: InventoryOpt = None
 ) -> None:
-    """Release the run's model to every target: upload, verify, switch, health check, roll back on failure."""
+    """Release the run's model to every target: upload, verify, switch, health check, roll back on failure.
+
+    Over SSH (--inventory): the canary first, then waves. Exits 1 when any target did not end ACTIVE; the reasons
+    are printed under the table and kept in deploy/results.json.
+    """
     cfg, rd = _stage_config(config, run_dir, _with_inventory(set_, inventory) or None)
     run_one("deploy", cfg, rd, log=log)
 
@@ -305,7 +338,8 @@ def deploy_rollback(
     wide: WideOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Switch targets back to their previous release."""
+    """Switch targets back to their previous release, through that release's own activate.sh (preflight, switch,
+    health check); the run they return to becomes the champion again. Exits 1 when a target could not."""
     from pipeline import registry
     from pipeline.config import load_config
 

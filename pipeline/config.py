@@ -1,7 +1,7 @@
 """Typed pipeline configuration: one TOML table per stage, overridable with ``--set section.key=value``.
 
-Every field carries a docstring (pydantic reads them as descriptions): the config reference of the docs site
-(docs/reference/config.md) is generated from them, so it says what the code says.
+Every field carries a docstring (pydantic reads them as descriptions), and the documentation's config reference
+(docs/reference/config.md) is generated from them: this file is the one place a key is described.
 
 Over the project's ~450 lines a module on purpose: it is the config reference, one section class per TOML table, read
 top to bottom like the file a user writes; the loading and error-wording code at its end is a few dozen lines.
@@ -46,8 +46,9 @@ class RunConfig(Section):
 
 class DataConfig(Section):
     source: Literal["digits", "imagefolder", "synthetic"] = "digits"
-    """`digits`: scikit-learn's bundled 8x8 handwritten digits; `imagefolder`: `data.path/<class>/*.png|jpg`;
-    `synthetic`: random class-dependent patterns (benchmarks)."""
+    """`digits`: scikit-learn's bundled 8x8 handwritten digits; `imagefolder`: `data.path/<class>/<image>`, JPEG, PNG,
+    BMP or WebP in any colour mode (grayscale becomes RGB, transparent parts are laid on white); `synthetic`: random
+    class-dependent patterns (benchmarks)."""
     path: Path | None = None
     """Root of an ImageFolder tree (one sub-directory per class). Required when `source = "imagefolder"`."""
     image_size: int = Field(16, ge=8, le=1024)
@@ -89,11 +90,14 @@ class DataConfig(Section):
 
 class ModelConfig(Section):
     name: str = "small_cnn"
-    """Architecture from `models/`: small_cnn, resnet18, mobilenet_v3_small."""
+    """Architecture from `models/`: `small_cnn` (any channels, tiny), `resnet18` and `mobilenet_v3_small`
+    (torchvision's architectures)."""
     weights: Path | None = None
     """Initial weights: torchvision's published `.pth` files (read with `weights_only=True`) or a safetensors file,
-    such as an earlier run's `model/model.safetensors`. When the class count differs, the classifier head is
-    replaced and the log names the dropped tensors. Nothing is downloaded at run time."""
+    such as an earlier run's `model/model.safetensors`; a file holding anything but tensors is refused. When the
+    class count differs, the classifier head (`fc` in resnet18, `classifier.3` in mobilenet_v3_small) is replaced and
+    the log names the dropped tensors; any other tensor that does not fit is one line naming the first. Nothing is
+    downloaded at run time."""
     freeze: Literal["none", "backbone"] | Annotated[int, Field(ge=0)] = "none"
     """What does not train during the first `freeze_epochs` epochs: `none`; `backbone`, everything but the
     classifier head; or a number N, the first N blocks (the units FSDP shards: a stem, a residual block, ...)."""
@@ -105,7 +109,8 @@ class ModelConfig(Section):
 class TrainConfig(Section):
     epochs: Annotated[int, Field(ge=1, le=100_000)] | Literal["auto"] = "auto"
     """Passes over the training split. `auto`: 8, or more when that would make fewer than 120 optimizer steps (a
-    folder of a hundred photos gets 30); the log and train/summary.json give the number and why."""
+    folder of a hundred photos gets 30); the log gives the number and why, and train/summary.json records it. A
+    number is used as it is."""
     batch_size: Annotated[int, Field(ge=1, le=1 << 20)] | Literal["auto"] = "auto"
     """Global batch size: split evenly across all ranks. `auto`: 64, halved while an epoch would have fewer than 4
     optimizer steps, down to 16 images a rank (a hundred photos on 2 ranks: 32)."""
@@ -120,16 +125,21 @@ class TrainConfig(Section):
     a cumulative average over this many batches of each rank's training images, unaugmented, averaged over all
     ranks (as `torch.optim.swa_utils.update_bn` does). Running statistics updated with a small momentum (0.01 in
     torchvision's MobileNetV3) lag the weights by hundreds of steps; eval-mode accuracy then says nothing about
-    the weights. 0: off."""
+    the weights (docs/measurements.md#batchnorm-recalibration). The check that follows compares eval mode with batch
+    statistics on the same training images; a gap over 0.2 is a warning in the log and the report. 0: off."""
     weight_decay: float = Field(1e-4, ge=0.0)
     """AdamW weight decay."""
     strategy: Literal["ddp", "fsdp", "auto"] = "ddp"
-    """`ddp`: a full replica per rank; `fsdp`: FSDP2, parameters, gradients and optimizer state sharded per block;
-    `auto`: FSDP when the DDP estimate (parameters + gradients + optimizer state + activations) exceeds
-    `train.memory_budget_mb`, else DDP (the choice and its reason are logged)."""
+    """`ddp`: a full replica per rank; `fsdp`: FSDP2, parameters, gradients and AdamW state sharded across ranks
+    (`fully_shard` per block: a residual block, a conv-norm-activation group, the head; then the root); `auto`: FSDP
+    when the DDP estimate per rank (parameters + gradients + optimizer state + activations) exceeds
+    `train.memory_budget_mb`, else DDP. Rank 0 logs the choice and why (`strategy: fsdp (DDP needs ~... > ...
+    budget; ...)`), and train/summary.json records it."""
     precision: Literal["auto", "fp32", "bf16-mixed", "fp16-mixed"] = "auto"
-    """`auto` is bf16 autocast on GPUs that support it and fp32 on CPU, where bf16 buys no speed. `fp16-mixed`
-    scales the loss (GradScaler); fp16 autocast is very slow on CPU."""
+    """`auto` is bf16 autocast on GPUs that support it and fp32 on CPU, where bf16 buys no speed. Under FSDP,
+    `bf16-mixed` is also a `MixedPrecisionPolicy` (bf16 parameters, fp32 norm layers and gradient reduction).
+    `fp16-mixed` scales the loss (GradScaler; under FSDP ShardedGradScaler, which agrees on overflows across
+    shards); fp16 autocast is very slow on CPU."""
     compression: str = "none"
     """Gradient compression method, by name: the table in docs/compression.md lists them, what each sends and which
     FSDP can use (it is generated from the methods' registry, `pipeline/train/compression/registry.py`, which the
@@ -144,15 +154,18 @@ class TrainConfig(Section):
     epochs."""
     powersgd_rank: int = Field(8, ge=1)
     """Rank of PowerSGD's low-rank approximation: bytes grow linearly with it, and below 8 the quickstart and
-    resnet18 lost more than a point against `none` (docs/measurements.md#powersgd-rank)."""
+    resnet18 lost more than a point against `none` (docs/measurements.md#powersgd-rank). `powersgd` is refused, with
+    one line, on a model where no weight matrix is large enough for this rank to shrink it."""
     topk_fraction: float | None = Field(None, gt=0.0, le=1.0)
     """Share of each bucket's gradient entries `topk` sends (values as fp32, indices as int32); unset: scaled to the
-    model, 1% but at least 2048 entries and at most 10% (docs/measurements.md#top-k-how-many-entries)."""
+    model, 1% but at least 2048 entries and at most 10% (small_cnn: 10%, resnet18 and resnet50: 1%;
+    docs/measurements.md#top-k-how-many-entries)."""
     localsgd_period: int = Field(8, ge=1)
     """`localsgd`: steps between model averagings after warm-up."""
     localsgd_int8: bool = False
     """`localsgd`: average each tensor's change since the last averaging in 8 bits (one fp32 scale per tensor) with
-    error feedback, instead of the fp32 parameters: a quarter of the bytes on each averaging step."""
+    error feedback, instead of the fp32 parameters: a quarter of the bytes on each averaging step (the first, with no
+    shared anchor yet, is fp32). Every rank sums the same gathered payloads, so the models stay bit-identical."""
     compression_auto_every_steps: int = Field(20, ge=1)
     """`auto`: steps between measurements. Each times the steps since the last; the link itself (an all-reduce of
     4 bytes and of 512 KiB) is timed only when the running method's own communication time has moved by half, or at
@@ -160,18 +173,21 @@ class TrainConfig(Section):
     2 measurements in a row."""
     memory_budget_mb: int | None = Field(None, ge=1)
     """Memory one rank may use, for `strategy = "auto"`; unset: free CUDA memory, or 80% of the host's available
-    memory split between the node's ranks."""
+    memory split between the node's ranks. The smallest over all ranks counts."""
     grad_clip_norm: float | None = Field(None, gt=0.0)
     """Clip the global gradient norm (across all ranks and shards) to this value; unset: no clipping."""
     accumulation: int = Field(1, ge=1, le=4096)
     """Micro-steps per optimizer step: each rank's share of the batch is split in this many micro-batches, and
     gradients are synchronised only after the last (`no_sync`). The global batch does not change."""
     checkpoint_every_steps: int | None = Field(None, ge=1)
-    """Also checkpoint every this many optimizer steps (mid-epoch; resume continues from the same batch);
-    unset: only at each epoch's end."""
+    """Also checkpoint every this many optimizer steps (mid-epoch): a resume continues at the same batch of the same
+    epoch order, with each rank's RNG state, the optimizer and the gradient scaler restored. Unset: only at each
+    epoch's end."""
     max_restarts: int = Field(0, ge=0, le=1000)
     """torchrun `--max-restarts`: when a rank dies, restart the whole group this many times; each restart resumes
-    from `latest` (set `checkpoint_every_steps` to lose less than an epoch)."""
+    from `latest` (set `checkpoint_every_steps` to lose less than an epoch). The launcher sets
+    `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, without which restarted gloo ranks dial a stale address
+    (docs/torch-distributed.md#stale-rendezvous-store-after-restarts)."""
     pg_timeout_s: int = Field(1800, ge=1, le=30 * 86400)
     """Seconds a collective may wait for a peer before the process group gives up (`init_process_group(timeout)`);
     raise it on links that black out for a while."""
@@ -179,8 +195,11 @@ class TrainConfig(Section):
     """Environment for the ranks, under the libraries' own variable names, e.g. `NCCL_SOCKET_IFNAME`,
     `GLOO_SOCKET_IFNAME`, `TORCH_NCCL_ASYNC_ERROR_HANDLING`, `NCCL_IB_DISABLE`; applied on top of the caller's."""
     thermal_limit_c: float | None = None
-    """Device temperature (°C) above which each rank halves its micro-batch and doubles accumulation (the global
-    batch stays the same), and steps back once 5 °C cooler; unset: off. CUDA out-of-memory halves it too."""
+    """Device temperature (°C) above which each rank halves its micro-batch and doubles accumulation (again at each
+    hot reading; the global batch stays the same), and steps back once 5 °C cooler; unset: off. A CUDA out-of-memory
+    error halves it too and retries the step (safe when it strikes before the step's synchronising backward pass,
+    where it almost always does: that is where activations peak). Step lines in train/metrics.jsonl record
+    `accumulation`, `micro_batch`, `batch`, `temperature_c` and `batch_event`."""
     thermal_path: Path | None = None
     """File to read the temperature from (millidegrees or degrees, like a Jetson thermal zone); unset: the hottest
     `/sys/class/thermal/thermal_zone*/temp`, else `nvidia-smi`."""
@@ -196,10 +215,13 @@ class TrainConfig(Section):
     threads_per_rank: int = Field(1, ge=1, le=1024)
     """torch intra-op threads per CPU rank; keeps 2 ranks from fighting over 2 cores."""
     checkpoint_async: bool | None = None
-    """Write checkpoints in the background (DCP `async_save` on a gloo group of its own) while training goes on;
+    """Write checkpoints in the background (DCP `async_save` on a gloo group of its own: on the default group it
+    deadlocks against training's collectives, docs/torch-distributed.md#async-checkpoints-need-their-own-group) while
+    training goes on;
     `latest` moves only once a write has completed. Unset: in the background when training on CUDA (the copy to
     host memory frees the GPU, and the write runs on host cores training leaves idle), in the foreground on CPU
-    (the ranks already use every core: a writer thread slows the steps by more than the save it hides). A
+    (the ranks already use every core: a writer thread slows the steps by more than the save it hides;
+    docs/measurements.md#background-checkpoints-on-cpu). A
     background save holds a CPU copy of each rank's model and optimizer state: turn it off where memory is short."""
     keep_checkpoints: int = Field(2, ge=1, le=1000)
     """Newest epoch checkpoints kept on disk; older ones are deleted once a newer one is complete."""
@@ -224,12 +246,13 @@ class ExportConfig(Section):
     opt_batch: int = Field(8, ge=1, le=65_536)
     """Batch the TensorRT profile is tuned for."""
     parity_samples: int = Field(256, ge=1, le=1_000_000)
-    """Validation images compared between ONNX Runtime and PyTorch."""
+    """Validation images compared between ONNX Runtime and PyTorch: the parity gate needs every logit within `atol`
+    and the same top-1 class on all of them."""
     atol: float = Field(1e-4, gt=0.0)
     """Largest allowed absolute difference between ONNX Runtime and PyTorch logits."""
     min_tensorrt: str = Field("8.5", pattern=r"^\d+\.\d+$")
     """Oldest TensorRT among the targets ("major.minor"); the file's opset is lowered to what it parses (8.5 and
-    8.6: 17, 10.x: 20). JetPack 5.1 ships 8.5, JetPack 6.0 8.6, JetPack 6.1/6.2 10.3."""
+    8.6: 17, 10.x: 20, 11.x: 24). JetPack 5.1 ships 8.5, JetPack 6.0 8.6, JetPack 6.1/6.2 10.3."""
     exporter: Literal["dynamo", "legacy"] = "dynamo"
     """`dynamo`: torch.export-based exporter (writes opset >= 18, converted down when needed). `legacy`: the
     deprecated TorchScript exporter, writing the target opset directly; only a fallback for models whose opset
@@ -239,11 +262,14 @@ class ExportConfig(Section):
     on the simplified file."""
     variants: list[Literal["fp32", "fp16", "int8"]] = Field(default_factory=lambda: ["fp32"])
     """Files to write: `fp32` onnx/model.onnx (always), `fp16` onnx/model.fp16.onnx (FP16 graph, fp32 inputs and
-    outputs), `int8` onnx/model.int8.onnx (explicit Q/DQ, symmetric, per-channel weights)."""
+    outputs: what TensorRT 11's strongly typed builds take), `int8` onnx/model.int8.onnx (explicit Q/DQ: symmetric
+    int8 activations, per-channel symmetric int8 weights, fp32 biases). All are written in a staging directory and
+    moved into onnx/ together only when every gate passes."""
     calibration_samples: int = Field(256, ge=1, le=1_000_000)
-    """Training images that calibrate the int8 activation ranges."""
+    """Training images (the first ones) that calibrate the int8 activation ranges."""
     max_accuracy_drop: float = Field(0.01, ge=0.0, le=1.0)
-    """Largest allowed validation-accuracy drop of the fp16 and int8 files below the fp32 file (0.01 = 1 point)."""
+    """Largest allowed validation-accuracy drop of the fp16 and int8 files below the fp32 file (0.01 = 1 point),
+    measured with ONNX Runtime on the whole validation split."""
 
     @model_validator(mode="after")
     def _opt_within_max(self) -> ExportConfig:
@@ -289,16 +315,21 @@ class BuildConfig(Section):
     device of that class (builder `device`); classes declared in `classes` with the same name win."""
     cache_dir: Path = Path("artifacts/engine-cache")
     """Engines and timing caches kept across runs, per class; an engine whose key (ONNX sha256, TensorRT version,
-    class, precision, shapes, builder options) matches is copied in without building."""
+    class, precision, shapes, builder options) matches is copied in without building. Every build of a class starts
+    from, and extends, `<cache_dir>/<class>/timing.cache`."""
     opt_level: int | None = Field(None, ge=0, le=5)
     """`--builderOptimizationLevel` (TensorRT >= 8.6; ignored, and noted in build.json, before); None = default."""
     verify: bool = True
-    """Check every engine built for a class: plan version, load, outputs on onnx/sample.npz, latency."""
+    """Check every engine built for a class, where it was built: plan version (TensorRT 9.1 and later), a load, and
+    the outputs on onnx/sample.npz against ONNX Runtime's (fp32 1e-3, fp16 1e-2, int8 the same top-1); trtexec's
+    latency summary goes into build.json. A failed check publishes and caches nothing; its log is kept as
+    engines/<class>/build-failed.log."""
     precision: Literal["fp32", "fp16", "int8"] = "fp16"
     """Engine precision: builder flags on the fp32 (or, for int8, Q/DQ) ONNX before TensorRT 11; from 11 the
     matching ONNX variant (onnx/model.fp16.onnx, onnx/model.int8.onnx) is built as it is."""
     workspace_mb: int = Field(1024, ge=16, le=1 << 20)
-    """Builder workspace memory-pool limit."""
+    """Builder workspace memory-pool limit, in MiB (passed as a plain number: TensorRT 10.0.x would count an `M`
+    suffix twice)."""
     trtexec: str = "trtexec"
     """trtexec executable: a name looked up on PATH or an absolute path."""
     timeout_s: int = Field(1800, ge=10, le=30 * 86400)
@@ -346,10 +377,13 @@ class DeployConfig(Section):
 
 class RetrainConfig(Section):
     only_on_new_data: bool = False
-    """End the run early, saying so, when data and training config are unchanged since the last trained run
-    (the nightly schedule sets this)."""
+    """End the run early, saying so, when data and training config are unchanged since an earlier trained run under
+    `run.runs_root` (the data fingerprint: an ImageFolder's file names, sizes and mtimes, or the built-in data's
+    config). The nightly schedules set this."""
     promotion_tolerance: float = Field(0.01, ge=0.0, le=1.0)
-    """Deploy a new model only when its validation accuracy is at least the deployed model's minus this."""
+    """Deploy a new model only when its validation accuracy is at least the deployed model's minus this. The
+    deployed model is the newest run under `run.runs_root` whose deploy succeeded; both are scored by their exported
+    ONNX models on the new run's held-out images."""
     min_accuracy: float | None = Field(None, ge=0.0, le=1.0)
     """Validation accuracy below which the run stops before build and deploy: a model at chance is not shipped.
     Unset: twice chance (1/classes) or a fifth of the way from chance to 1, whichever is lower (5 classes: 0.36,

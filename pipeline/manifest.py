@@ -27,7 +27,7 @@ from pipeline.files import read_json, sha256_file, write_json
 from pipeline.layout import CONFIG_SNAPSHOT, MANIFEST
 from pipeline.version import UNKNOWN, revision
 
-UTC = dt.timezone.utc  # noqa: UP017 -- datetime.UTC is 3.11+; the device side runs on 3.10 (README, cluster)
+UTC = dt.timezone.utc  # noqa: UP017 -- datetime.UTC is 3.11+; the device side runs on 3.10 (docs/how-to/cluster.md)
 
 Status = Literal["done", "cached", "skipped"]
 

@@ -17,7 +17,8 @@ from tests.wheels import build_wheel, install_target, snapshot
 def test_the_installed_wheel_runs_the_quickstart_from_an_empty_directory(tmp_path: Path):
     """The default config ships inside the wheel and is found without `--config`; the package is imported from
     the install (PYTHONPATH names only it, ahead of this venv's editable install; the run's cwd is empty).
-    A fresh virtualenv with no editable install at all is checked by hand (README, "Install as a package")."""
+    A fresh virtualenv with no editable install at all is checked by hand (docs/how-to/install-on-device.md, "The
+    controller")."""
     pytest.importorskip("setuptools", reason="builds with this venv's setuptools (--no-build-isolation)")
     snapshot(tmp_path / "src")
     site = install_target(build_wheel(str(tmp_path / "src"), tmp_path / "wheel"), tmp_path / "site")

@@ -32,7 +32,8 @@ REQUIREMENTS = (
     ("tqdm", "tqdm>=4.66"),
     ("safetensors", "safetensors>=0.4.3"),
 )
-"""(import name, pip requirement) of what the device side of training imports; README, "Devices", lists them."""
+"""(import name, pip requirement) of what the device side of training imports; docs/how-to/install-on-device.md
+lists them."""
 TOMLI = ("tomli", "tomli>=2.0")
 """Python 3.10 has no tomllib: `pipeline.config` falls back to tomli there."""
 

@@ -39,7 +39,8 @@ class SshTarget(_Strict):
     key: Path = Path("~/.ssh/id_ed25519")
     """Private key file for public-key login."""
     known_hosts: Path = Path("~/.ssh/known_hosts")
-    """Host keys the device must match; a device not listed there is refused."""
+    """Host keys the device must match (OpenSSH's format, e.g. from `ssh-keyscan`, checked by hand); a device not
+    listed there is refused unless `trust_on_first_use`."""
     trust_on_first_use: bool = False
     """Accept (and record in `known_hosts`) the key of a device not listed there yet. A listed device whose key
     changed is still refused."""
@@ -121,7 +122,8 @@ class Policy(_Strict):
     keep_releases: int = Field(3, ge=2)
     """Releases kept per device; `current` and `previous` are never pruned."""
     timeout_s: int = Field(300, ge=5)
-    """Limit for one target's whole deploy; every remote command also runs under a remote `timeout`."""
+    """Limit, in seconds, for one target's whole deploy, plus 3 x `build.timeout_s` when the device may build its
+    engine at install time; every remote command also runs under the device's `timeout -k 5`."""
 
     @field_validator("canary")
     @classmethod

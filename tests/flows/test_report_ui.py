@@ -2,8 +2,8 @@
 
 A local Prefect server serves its UI from the wheel (nothing online); the flow runs against it as a process of its
 own, and Debian's Chromium, driven by Selenium through Debian's chromedriver, opens the artifact in both UIs the
-server ships (v2, the default, and v1). Set UPDATE_SCREENSHOTS=1 to rewrite docs/report-ui.png, which README.md
-shows, from this run; otherwise the screenshot goes to the test's tmp_path.
+server ships (v2, the default, and v1). Set UPDATE_SCREENSHOTS=1 to rewrite docs/report-ui.png, which
+docs/how-to/prefect.md shows, from this run; otherwise the screenshot goes to the test's tmp_path.
 """
 
 import json

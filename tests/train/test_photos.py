@@ -21,14 +21,15 @@ pytestmark = [
     pytest.mark.skipif(not photos.available(), reason=f"needs Debian's {photos.PHOTO_PACKAGE} (make test installs it)"),
 ]
 
-README = ["data.source=imagefolder", "data.image_size=96"]
-"""The README's "Your own images" settings; everything else (batch, epochs, learning rate) at its default."""
+OWN_IMAGES = ["data.source=imagefolder", "data.image_size=96"]
+"""The settings of docs/how-to/own-images.md's first command; everything else (batch, epochs, learning rate) at its
+default."""
 TARGET = chance_floor(len(photos.CLASSES)) + 0.1
 """Well above chance: the default floor (0.36 for 5 classes) plus 0.1."""
 
 
 def photo_config(root: Path, *more: str) -> Config:
-    return load_config(None, [*README, f"data.path={root}", *more])
+    return load_config(None, [*OWN_IMAGES, f"data.path={root}", *more])
 
 
 def trained(cfg: Config, run_dir: Path) -> tuple[RunDir, dict[str, Any]]:
@@ -49,7 +50,7 @@ def epochs_to(curve: list[float], target: float) -> int | None:
 
 
 def measured(what: str, run: RunDir, summary: dict[str, Any]) -> None:
-    """Print the numbers the README's table quotes (`pytest -s` shows them)."""
+    """Print the numbers docs/how-to/own-images.md's table quotes (`pytest -s` shows them)."""
     keys = ("epochs", "global_batch", "lr", "val_accuracy", "eval_mode_accuracy", "train_mode_accuracy", "seconds")
     print(f"\n{what}: {json.dumps({k: summary[k] for k in keys})} curve {[round(a, 2) for a in val_curve(run)]}")
 
