@@ -97,7 +97,7 @@ def measure(arch: str, iterations: int, threads: int) -> list[dict[str, object]]
 
 
 def table(rows: list[dict[str, object]]) -> str:
-    """The markdown table README shows."""
+    """The Markdown table of this run (docs/benchmarks.md generates its own from the JSON)."""
     lines = ["| model | batch | runtime | p50 ms | p99 ms | p50 vs eager |", "|---|---:|---|---:|---:|---:|"]
     for r in rows:
         lines.append(

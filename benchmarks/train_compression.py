@@ -145,7 +145,7 @@ def plot(rows: list[dict[str, Any]], title: str, path: Path) -> None:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """The README's markdown table."""
+    """The Markdown table of this run (docs/benchmarks.md generates its own from the JSON)."""
     header = "| method | s/step | speed-up vs none | MB/step | val accuracy | Δ accuracy vs none |"
     out = [header, "|---|---|---|---|---|---|"]
     for r in rows:

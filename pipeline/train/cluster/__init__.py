@@ -97,7 +97,7 @@ def problems(facts: dict[str, Any], version: str, python: str) -> list[str]:
 
 
 def install(facts: dict[str, Any], python: str) -> str:
-    """The command that installs what is missing (torch itself: NVIDIA's wheel for the JetPack, README)."""
+    """The command that installs what is missing (torch itself: NVIDIA's wheel for the JetPack: docs/how-to/install-on-device.md)."""
     if not facts.get("missing"):
         return ""
     return f"{python} -m pip install --user " + " ".join(shlex.quote(req) for req in facts["missing"])
