@@ -97,7 +97,8 @@ def problems(facts: dict[str, Any], version: str, python: str) -> list[str]:
 
 
 def install(facts: dict[str, Any], python: str) -> str:
-    """The command that installs what is missing (torch itself: NVIDIA's wheel for the JetPack: docs/how-to/install-on-device.md)."""
+    """The command that installs what is missing (torch itself: NVIDIA's wheel for the JetPack, as
+    docs/how-to/install-on-device.md says)."""
     if not facts.get("missing"):
         return ""
     return f"{python} -m pip install --user " + " ".join(shlex.quote(req) for req in facts["missing"])
