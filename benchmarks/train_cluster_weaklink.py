@@ -70,7 +70,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "docs" / "hooks"))  # benchmark_tables: the table the docs page generates
 
+from benchmark_tables import train_cluster_weaklink as table  # noqa: E402
 from benchmarks.train_compression import toml_value  # noqa: E402
 from benchmarks.weaklink import measure_path, start_shim, stop_shim, tun_lines, unavailable  # noqa: E402
 from pipeline import layout  # noqa: E402
@@ -365,21 +367,9 @@ def save(path: Path, result: dict[str, Any]) -> None:
     path.write_text(json.dumps({**result, "load_average_1m": os.getloadavg()[0]}, indent=2) + "\n")
 
 
-def table(result: dict[str, Any]) -> str:
-    """The markdown table of docs/how-to/compression.md ("On a WiFi cluster of Jetsons")."""
-    out = ["| run | s/step | speed-up vs none | KB/step | val accuracy | code + data sent | link bytes out / back |"]
-    out.append("|---|---|---|---|---|---|---|")
-    for r in result["runs"]:
-        sent = r["bytes_sent"]["code"] + r["bytes_sent"]["data"]
-        link = sum(p["tx"] for p in r["link_bytes"].values()), sum(p["rx"] for p in r["link_bytes"].values())
-        cells = [f"{r['s_per_step']:.3f}", f"{r['speedup']:.2f}x", f"{r['bytes_per_step'] / 1e3:.1f}"]
-        cells += [f"{r['val_accuracy']:.4f}", f"{sent / 1e6:.2f} MB", f"{link[0] / 1e6:.1f} / {link[1] / 1e6:.1f} MB"]
-        out.append(f"| {r['run']} | " + " | ".join(cells) + " |")
-    return "\n".join(out)
-
-
 def main() -> None:
-    """Parse the arguments, run the benchmark, write the JSON, print the table."""
+    """Parse the arguments, run the benchmark, write the JSON, print the table (the one docs/how-to/compression.md
+    generates from it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=8, help="per run (default 8: `auto` would make 14, see above)")
     parser.add_argument("--images", type=int, default=720, help="of the 1,797 digits (see the docstring; 720)")

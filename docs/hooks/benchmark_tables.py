@@ -1,8 +1,9 @@
-"""The benchmark page's tables, read from `benchmarks/results/<name>.json` (docs/benchmarks.md).
+"""The benchmark tables, read from `benchmarks/results/<name>.json` (docs/benchmarks.md, and any page that
+shows one benchmark's numbers).
 
-One function per results file the page shows, named after it (`<!-- generated: benchmark:<name> -->`); the numbers
+One function per results file a page shows, named after it (`<!-- generated: benchmark:<name> -->`); the numbers
 come from the file and nothing else, rounded as the page shows them. What was measured, and what the numbers mean, is
-the page's prose around each table.
+the page's prose around each table. A benchmark script that prints its table imports the function from here.
 """
 
 from __future__ import annotations
@@ -65,6 +66,29 @@ def train_throughput(data: dict[str, Any]) -> str:
         rows.append([name, f"{statistics.median(runs):.0f}", each, spread])
     header = ["loop", f"samples/s (median of {len(hand)})", "each repeat", "vs hand-written, per repeat"]
     return table(header, rows, right=(1,))
+
+
+def train_cluster_weaklink(data: dict[str, Any]) -> str:
+    """4 stand-in Jetsons on a WiFi-like link, one run a row: mean s/step after warm-up, speed-up against `none`,
+    bytes a step, accuracy, what starting the run sent (code + data), and what crossed the links' host ends."""
+    rows = []
+    for r in data["runs"]:
+        sent = r["bytes_sent"]["code"] + r["bytes_sent"]["data"]
+        out, back = (sum(p[way] for p in r["link_bytes"].values()) for way in ("tx", "rx"))
+        rows.append(
+            [
+                r["run"],
+                f"{r['s_per_step']:.3f}",
+                f"{r['speedup']:.2f}x",
+                f"{r['bytes_per_step'] / 1e3:.1f}",
+                f"{r['val_accuracy']:.4f}",
+                f"{sent / 1e6:.2f} MB",
+                f"{out / 1e6:.1f} / {back / 1e6:.1f} MB",
+            ]
+        )
+    header = ["run", "s/step", "speed-up vs none", "KB/step", "val accuracy", "code + data sent"]
+    header.append("link bytes out / back")
+    return table(header, rows, right=(1, 2, 3, 4, 5, 6))
 
 
 def train_compression(data: dict[str, Any]) -> str:
@@ -141,6 +165,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "deploy_rollout": lambda: deploy_rollout(load("deploy_rollout")),
     "export_latency": lambda: export_latency(load("export_latency")),
     "train_throughput": lambda: train_throughput(load("train_throughput")),
+    "train_cluster_weaklink": lambda: train_cluster_weaklink(load("train_cluster_weaklink")),
     "train_compression": lambda: train_compression(load("train_compression")),
     "train_compression_defaults_now": lambda: train_compression(load("train_compression_defaults_now")),
     "train_compression_localsgd": lambda: train_compression(load("train_compression_localsgd")),
