@@ -22,7 +22,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "docs" / "hooks"))  # benchmark_tables: the table docs/measurements.md generates
 
+from benchmark_tables import train_compression_seeds as table  # noqa: E402
 from benchmarks.train_compression import cpu_facts, toml_value  # noqa: E402
 
 RESULT = ROOT / "benchmarks" / "results" / "train_compression_seeds.json"
@@ -61,16 +63,10 @@ def main() -> None:
         }
         for m, a in acc.items()
     }
+    result = {"config": "configs/quickstart.toml", "seeds": seeds, **cpu_facts(), "methods": rows}
     RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(
-        json.dumps({"config": "configs/quickstart.toml", "seeds": seeds, **cpu_facts(), "methods": rows}, indent=2)
-        + "\n"
-    )
-    print("| method | " + " | ".join(f"seed {s}" for s in seeds) + " | mean Δ vs `none` (points) |")
-    print("|---|" + "---|" * len(seeds) + "---|")
-    for m, r in rows.items():
-        cells = [f"{a:.4f}" for a in r["val_accuracy"]]
-        print(f"| `{m}` | " + " | ".join(cells) + f" | {r['mean_delta_points']:+.2f} |")
+    RESULT.write_text(json.dumps(result, indent=2) + "\n")
+    print(table(result))
 
 
 if __name__ == "__main__":

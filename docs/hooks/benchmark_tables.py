@@ -115,6 +115,27 @@ def train_compression(data: dict[str, Any]) -> str:
     return table(header, rows, right=(1, 2, 3, 4, 5))
 
 
+def points(value: float) -> str:
+    """A difference in points, two decimals with its sign; one that rounds to nothing is `±0.00`."""
+    text = signed(value, 2)
+    return "±0.00" if text[1:] == "0.00" else text
+
+
+def train_compression_seeds(data: dict[str, Any]) -> str:
+    """Every method's final accuracy at each seed, and its mean difference to `none` in points (none's own left
+    empty)."""
+    rows = [
+        [
+            f"`{name}`",
+            *(f"{a:.4f}" for a in m["val_accuracy"]),
+            "" if name == "none" else points(m["mean_delta_points"]),
+        ]
+        for name, m in data["methods"].items()
+    ]
+    header = ["method", *(f"seed {s}" for s in data["seeds"]), "mean Δ vs `none` (points)"]
+    return table(header, rows, right=tuple(range(1, len(header))))
+
+
 def train_compression_changing(data: dict[str, Any]) -> str:
     """The link changing mid-run: training seconds against the best fixed method, accuracy, and the mean s/step in
     each of the link's phases (the first phase after the compression warm-up)."""
@@ -169,6 +190,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "train_compression": lambda: train_compression(load("train_compression")),
     "train_compression_defaults_now": lambda: train_compression(load("train_compression_defaults_now")),
     "train_compression_localsgd": lambda: train_compression(load("train_compression_localsgd")),
+    "train_compression_seeds": lambda: train_compression_seeds(load("train_compression_seeds")),
     "train_compression_changing": lambda: train_compression_changing(load("train_compression_changing")),
     "train_gpu": lambda: train_gpu(load("train_gpu"), load("train_gpu_fsdp")),
     "train_memory": lambda: train_memory(load("train_memory")),
