@@ -26,9 +26,11 @@ sys.path.insert(0, str(ROOT / "docs" / "hooks"))  # benchmark_tables: the table 
 
 from benchmark_tables import train_compression_seeds as table  # noqa: E402
 from benchmarks.train_compression import cpu_facts, toml_value  # noqa: E402
+from pipeline.train.compression import registry  # noqa: E402
 
 RESULT = ROOT / "benchmarks" / "results" / "train_compression_seeds.json"
-METHODS = ("none", "fp16", "bf16", "powersgd", "topk", "sign", "localsgd")
+METHODS = tuple(name for name, method in registry.METHODS.items() if method.install is None)
+"""Every fixed method of the registry (`auto` chooses among them)."""
 
 
 def accuracy(method: str, seed: int, run_dir: Path) -> float:

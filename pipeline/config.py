@@ -161,11 +161,18 @@ class TrainConfig(Section):
     model, 1% but at least 2048 entries and at most 10% (small_cnn: 10%, resnet18 and resnet50: 1%;
     docs/measurements.md#top-k-how-many-entries)."""
     localsgd_period: int = Field(8, ge=1)
-    """`localsgd`: steps between model averagings after warm-up."""
+    """`localsgd` and `diloco`: steps between model averagings (`diloco`: outer steps) after warm-up."""
     localsgd_int8: bool = False
     """`localsgd`: average each tensor's change since the last averaging in 8 bits (one fp32 scale per tensor) with
     error feedback, instead of the fp32 parameters: a quarter of the bytes on each averaging step (the first, with no
     shared anchor yet, is fp32). Every rank sums the same gathered payloads, so the models stay bit-identical."""
+    outer_lr: float = Field(0.7, gt=0.0, le=10.0)
+    """`diloco`: learning rate of the outer step, on the ranks' averaged change since the last one (DiLoCo's 0.7;
+    1.0 with `outer_momentum = 0` is plain model averaging, as `localsgd`)."""
+    outer_momentum: float = Field(0.5, ge=0.0, lt=1.0)
+    """`diloco`: Nesterov momentum of the outer step, carried from one outer step to the next. DiLoCo's 0.9 was
+    tuned for hundreds of inner steps; at 8 it lost 2 points on the quickstart
+    (docs/measurements.md#diloco-outer-step)."""
     compression_auto_every_steps: int = Field(20, ge=1)
     """`auto`: steps between measurements. Each times the steps since the last; the link itself (an all-reduce of
     4 bytes and of 512 KiB) is timed only when the running method's own communication time has moved by half, or at

@@ -35,7 +35,7 @@ def _hook(knobs: Knobs, group: dist.ProcessGroup | None, counter: CommCounter) -
     return state, hook
 
 
-class _Schedule:
+class Schedule:
     """When an averaging is due: after warm-up, every `period` steps (as torch's PeriodicModelAverager)."""
 
     def __init__(self, period: int, warmup_steps: int) -> None:
@@ -52,7 +52,7 @@ class Fp32Averager:
     """torch's PeriodicModelAverager (an all-reduce of the parameters when due), counting the bytes it sends."""
 
     def __init__(self, period: int, warmup_steps: int, group: dist.ProcessGroup | None = None) -> None:
-        self.schedule = _Schedule(period, warmup_steps)
+        self.schedule = Schedule(period, warmup_steps)
         self.inner = PeriodicModelAverager(period, warmup_steps, group)
 
     def average(self, params: list[torch.Tensor]) -> int:
@@ -69,7 +69,7 @@ class Int8DeltaAverager:
     the averaged parameters are identical on all. The first averaging, with no anchor yet, is in fp32."""
 
     def __init__(self, period: int, warmup_steps: int, group: dist.ProcessGroup | None = None) -> None:
-        self.schedule, self.group = _Schedule(period, warmup_steps), group
+        self.schedule, self.group = Schedule(period, warmup_steps), group
         self.anchor: list[torch.Tensor] = []
         self.residual: list[torch.Tensor] = []
 

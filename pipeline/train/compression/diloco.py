@@ -1,0 +1,71 @@
+"""`diloco`: each rank trains alone (the inner steps, with the run's own optimizer), and every `localsgd_period` steps
+the ranks average how far their models moved since the last outer step and take a Nesterov step on it (the outer
+step), as DiLoCo does (Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models", 2023,
+arXiv:2311.08105, Algorithm 1: outer Nesterov SGD, learning rate 0.7; its momentum 0.9 is for hundreds of inner
+steps, and the default here is 0.5: docs/measurements.md#diloco-outer-step).
+
+One all-reduce per outer step, of the fp32 parameters' size, like `localsgd`; the outer momentum is what local SGD
+lacks: the averaged change is a gradient of the outer problem, and momentum on it lets the models move further per
+round of communication. The gradient hook is local SGD's (plain all-reduce during warm-up, nothing after).
+"""
+
+import torch
+import torch.distributed as dist
+
+from pipeline.train.compression import localsgd
+from pipeline.train.compression.method import Averager, Knobs, Method
+
+
+class OuterStep:
+    """The outer optimizer: every `period` steps after warm-up, average the ranks' change since the anchor (the
+    parameters after the last outer step, the same on every rank) and step the anchor by Nesterov SGD on it; every
+    rank then continues from the new anchor. The first outer step, with no anchor yet, only averages the models."""
+
+    def __init__(
+        self, period: int, warmup_steps: int, lr: float, momentum: float, group: dist.ProcessGroup | None = None
+    ) -> None:
+        self.schedule = localsgd.Schedule(period, warmup_steps)
+        self.lr, self.momentum, self.group = lr, momentum, group
+        self.anchor: list[torch.Tensor] = []
+        self.velocity: list[torch.Tensor] = []
+
+    def average(self, params: list[torch.Tensor]) -> int:
+        """Take the outer step when due; the bytes sent."""
+        if not self.schedule.tick():
+            return 0
+        return self._step(params)
+
+    @torch.no_grad()
+    def _step(self, params: list[torch.Tensor]) -> int:
+        first = not self.anchor
+        # The pseudo-gradient points as a gradient does: from where the models went back to the anchor.
+        moved = (
+            [p.detach().clone() for p in params] if first else [a - p for a, p in zip(self.anchor, params, strict=True)]
+        )
+        flat = torch.cat([m.flatten() for m in moved]).div_(dist.get_world_size(self.group))
+        dist.all_reduce(flat, group=self.group)
+        mean = [f.view_as(p) for f, p in zip(flat.split([p.numel() for p in params]), params, strict=True)]
+        if first:
+            self.anchor = [m.clone() for m in mean]
+            self.velocity = [torch.zeros_like(m) for m in mean]
+        else:
+            for a, v, g in zip(self.anchor, self.velocity, mean, strict=True):
+                v.mul_(self.momentum).add_(g)
+                a.sub_(g.add(v, alpha=self.momentum), alpha=self.lr)  # Nesterov: g + momentum * v
+        for p, a in zip(params, self.anchor, strict=True):
+            p.copy_(a)
+        return flat.numel() * flat.element_size()
+
+
+def _outer(knobs: Knobs, group: dist.ProcessGroup | None) -> Averager:
+    train = knobs.train
+    return OuterStep(train.localsgd_period, knobs.warmup_steps, train.outer_lr, train.outer_momentum, group)
+
+
+METHOD = Method(
+    name="diloco",
+    about="Local training; every `localsgd_period` steps an outer Nesterov step on the averaged change (DiLoCo).",
+    hook=localsgd.METHOD.hook,
+    warms_up=True,
+    after_step=_outer,
+)
