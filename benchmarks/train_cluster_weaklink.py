@@ -73,9 +73,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "docs" / "hooks"))  # benchmark_tables: the table the docs page generates
 
 from benchmark_tables import train_cluster_weaklink as table  # noqa: E402
-from benchmarks.train_compression import toml_value  # noqa: E402
 from benchmarks.weaklink import measure_path, start_shim, stop_shim, tun_lines, unavailable  # noqa: E402
 from pipeline import layout  # noqa: E402
+from pipeline.config import toml_value  # noqa: E402
 from pipeline.files import read_json  # noqa: E402
 from tests.harness import DeviceLink, JetsonFleet, JetsonTarget, harness_unavailable, network  # noqa: E402
 from tests.train.cluster.test_cluster import inventory, marked_processes, pipeline_cmd, start_cluster  # noqa: E402

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.weaklink import WeakLink, unavailable  # noqa: E402
+from pipeline.config import toml_value  # noqa: E402
 from pipeline.train.compression import registry  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -50,15 +51,6 @@ def cpu_facts() -> dict[str, Any]:
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
     return {"cpu_model": model, "avx512": " avx512f" in info}
-
-
-def toml_value(value: Any) -> str:
-    """A Python value as the TOML text `--set` reads."""
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
-    return repr(value)
 
 
 def overrides(method: str, epochs: int, interface: str | None, seed: int = 0) -> list[str]:

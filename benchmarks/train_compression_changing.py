@@ -29,8 +29,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.train_compression import toml_value  # noqa: E402
 from benchmarks.weaklink import WeakLink, _run, unavailable  # noqa: E402
+from pipeline.config import toml_value  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 METHODS = ("none", "fp16", "powersgd", "topk", "sign", "auto")

@@ -25,7 +25,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "docs" / "hooks"))  # benchmark_tables: the table docs/measurements.md generates
 
 from benchmark_tables import train_compression_seeds as table  # noqa: E402
-from benchmarks.train_compression import cpu_facts, toml_value  # noqa: E402
+from benchmarks.train_compression import cpu_facts  # noqa: E402
+from pipeline.config import toml_value  # noqa: E402
 from pipeline.train.compression import registry  # noqa: E402
 
 RESULT = ROOT / "benchmarks" / "results" / "train_compression_seeds.json"

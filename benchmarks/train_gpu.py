@@ -30,7 +30,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.train_compression import toml_value  # noqa: E402
+from pipeline.config import toml_value  # noqa: E402
 
 RESULT = ROOT / "benchmarks" / "results" / "train_gpu.json"
 BASE = {"model.name": "resnet18", "data.image_size": 32}

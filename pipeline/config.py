@@ -13,6 +13,7 @@ import hashlib
 import json
 import re
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -25,6 +26,8 @@ if sys.version_info >= (3, 11):  # noqa: UP036 -- the package needs 3.11; the de
 else:
     import tomli as tomllib
 
+BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+"""A TOML key that needs no quotes."""
 DEFAULT_CONFIG = Path(__file__).with_name("defaults") / "quickstart.toml"
 """The embedded quickstart, shipped inside the package (configs/quickstart.toml in the repo links to it)."""
 
@@ -516,6 +519,28 @@ def read_toml(path: Path, what: str = "config") -> dict[str, Any]:
         raise PipelineError(f"{path}: invalid TOML: {err}") from None
     except (IsADirectoryError, UnicodeDecodeError) as err:
         raise PipelineError(f"{path}: cannot read {what}: {err}") from None
+
+
+def toml_value(value: Any) -> str:
+    """The TOML text of a value, as a config file or `--set key=value` reads it: strings, ints, floats, bools,
+    paths, lists and inline tables of those."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str | Path):
+        # A JSON string is a valid TOML basic string: same quotes, and escapes TOML also knows.
+        return json.dumps(str(value))
+    if isinstance(value, Sequence):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{toml_key(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML: {value!r}")
+
+
+def toml_key(key: str) -> str:
+    """A key, quoted only when it is not a bare key."""
+    return key if BARE_KEY.fullmatch(key) else json.dumps(key)
 
 
 def load_config(path: Path | None = None, overrides: list[str] | None = None) -> Config:

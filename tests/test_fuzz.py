@@ -11,12 +11,12 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.config import Config, apply_overrides, load_config, validate
+from pipeline.config import Config, apply_overrides, load_config, toml_value, validate
 from pipeline.errors import PipelineError
 from pipeline.files import read_json
 from pipeline.fleet.inventory import Inventory, load_inventory
 from pipeline.registry import champion, list_runs, promotion_gate, trained_with
-from tests.harness.inventory import toml_value, write_inventory
+from tests.harness.inventory import write_inventory
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 KEYS = st.sampled_from(["run", "data", "train", "model", "export", "build", "deploy", "retrain", "epochs", "x"])

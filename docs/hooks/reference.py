@@ -23,11 +23,12 @@ from typing import Any, Literal
 import typer
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
+from pydantic_core import to_jsonable_python
 
 from markdown_table import table
 from pipeline import layout, manifest
 from pipeline.cli import app
-from pipeline.config import Config
+from pipeline.config import Config, toml_value
 from pipeline.fleet import inventory
 from pipeline.train.compression import registry
 
@@ -72,18 +73,8 @@ def kinds(annotation: Any, metadata: list[Any]) -> list[str]:
 
 
 def toml(value: Any) -> str:
-    """A default as it would be written in TOML."""
-    if isinstance(value, BaseModel):
-        value = value.model_dump(mode="json")
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str | Path):
-        return json.dumps(str(value))
-    if isinstance(value, list):
-        return "[" + ", ".join(toml(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {toml(v)}" for k, v in value.items()) + "}"
-    return str(value)
+    """A default as it would be written in TOML (a nested section, also inside a list, as its inline table)."""
+    return toml_value(to_jsonable_python(value))
 
 
 def default(field: FieldInfo) -> str:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from pipeline.config import toml_key, toml_value
 
 DEFAULT_POLICY: dict[str, Any] = {
     "canary": 1,
@@ -17,28 +17,6 @@ DEFAULT_POLICY: dict[str, Any] = {
     "keep_releases": 3,
     "timeout_s": 300,
 }
-BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
-
-
-def toml_value(value: Any) -> str:
-    """One TOML value: strings, ints, floats, bools, lists and inline tables of those."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str | Path):
-        # A JSON string is a valid TOML basic string: same quotes, and escapes TOML also knows.
-        return json.dumps(str(value))
-    if isinstance(value, Sequence):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    if isinstance(value, Mapping):
-        return "{" + ", ".join(f"{toml_key(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
-    raise TypeError(f"cannot write {type(value).__name__} to TOML: {value!r}")
-
-
-def toml_key(key: str) -> str:
-    """A key, quoted only when it is not a bare key."""
-    return key if BARE_KEY.fullmatch(key) else json.dumps(key)
 
 
 def _table(header: str, items: Mapping[str, Any]) -> str:
