@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -27,6 +28,10 @@ else:
     import tomli as tomllib
 
 BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+"""An environment variable's name: it goes into shell scripts on devices, so nothing else is one."""
+SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|API_?KEY|PRIVATE_?KEY|AUTH", re.IGNORECASE)
+"""Names whose value `train.env` would write into the run's files: such variables belong in `train.pass_env`."""
 """A TOML key that needs no quotes."""
 DEFAULT_CONFIG = Path(__file__).with_name("defaults") / "quickstart.toml"
 """The embedded quickstart, shipped inside the package (configs/quickstart.toml in the repo links to it)."""
@@ -201,9 +206,15 @@ class TrainConfig(Section):
     pg_timeout_s: int = Field(1800, ge=1, le=30 * 86400)
     """Seconds a collective may wait for a peer before the process group gives up (`init_process_group(timeout)`);
     raise it on links that black out for a while."""
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[EnvName, str] = Field(default_factory=dict)
     """Environment for the ranks, under the libraries' own variable names, e.g. `NCCL_SOCKET_IFNAME`,
-    `GLOO_SOCKET_IFNAME`, `TORCH_NCCL_ASYNC_ERROR_HANDLING`, `NCCL_IB_DISABLE`; applied on top of the caller's."""
+    `GLOO_SOCKET_IFNAME`, `TORCH_NCCL_ASYNC_ERROR_HANDLING`, `NCCL_IB_DISABLE`; applied on top of the caller's. The
+    values are part of the config, written into the run's config.json: a name that looks like a secret (a token, a
+    key, a password) is refused here; name it in `pass_env` instead."""
+    pass_env: list[EnvName] = Field(default_factory=list)
+    """Variables of this controller's environment passed to the ranks, here and on every device, e.g. an API token:
+    only their names are part of the config; their values never reach config.json, the manifest, a log or a command
+    line (docs/security.md#secrets). Each must be set when training starts."""
     thermal_limit_c: float | None = None
     """Device temperature (°C) above which each rank halves its micro-batch and doubles accumulation (again at each
     hot reading; the global batch stays the same), and steps back once 5 °C cooler; unset: off. A CUDA out-of-memory
@@ -245,6 +256,24 @@ class TrainConfig(Section):
     while at least MIN remain, and a device that comes back rejoins up to MAX. Unset: every device of the
     inventory, none may leave. Not the CLI's `pipeline train --nnodes`, which is torchrun's fixed node count for
     one job across hosts on a shared filesystem (no inventory)."""
+
+    @model_validator(mode="after")
+    def _no_secret_in_env(self) -> TrainConfig:
+        for name in self.env:
+            if SECRET_NAME.search(name):
+                raise ValueError(
+                    f"train.env.{name}: looks like a secret, and train.env is written into the run's config.json: "
+                    f"export it here and list {name} in train.pass_env instead"
+                )
+        return self
+
+    def passed_env(self) -> dict[str, str]:
+        """The `pass_env` variables with their values from this process's environment; one line naming the first
+        one that is not set."""
+        missing = [name for name in self.pass_env if name not in os.environ]
+        if missing:
+            raise PipelineError(f"train.pass_env: {missing[0]} is not set in this environment")
+        return {name: os.environ[name] for name in self.pass_env}
 
 
 class ExportConfig(Section):

@@ -96,6 +96,7 @@ def run(
             from pipeline.train.compression import registry
 
             registry.check(cfg.train)  # before any device is asked: the launcher's preflight does it for torchrun
+            cfg.train.passed_env()
             run.save_config(cfg)  # what every device is sent
             rounds.run_on_devices(cfg, run.path, output)
         else:

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
 
-from pipeline.train.launch.launcher import free_port
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 def _enter(rank: int, world: int, port: int, fn: Callable[..., None], args: tuple[Any, ...]) -> None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from pipeline.errors import PipelineError
 from pipeline.files import read_json
 from pipeline.manifest import RunDir, create_run_dir
 from pipeline.train.launch.procgroup import KILL_GRACE_S
+from tests.train.listening import listening_here, tree_pids
 
 STEPS_PER_EPOCH = 23  # ceil(1437 training digits / 2 ranks / 32 per rank)
 
@@ -64,7 +67,26 @@ def final_config() -> Config:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[RunDir, train.StageResult, list[dict[str, Any]]]:
+def listening() -> Iterator[set[str]]:
+    """Every address that this process or one it started listens on, while the module's tests run."""
+    seen: set[str] = set()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.2):
+            seen.update(addr for addr, _ in listening_here(tree_pids(os.getpid())))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    yield seen
+    done.set()
+    watcher.join()
+
+
+@pytest.fixture(scope="module")
+def trained(
+    tmp_path_factory: pytest.TempPathFactory, listening: set[str]
+) -> tuple[RunDir, train.StageResult, list[dict[str, Any]]]:
     """One run dir trained twice: FIRST epochs uncompressed, then resumed to TOTAL epochs with fp16 compression.
 
     Returns the run, the second result and the metrics lines after the first invocation. (One fixture for all
@@ -93,6 +115,13 @@ def test_reaches_accuracy_and_reports_it(trained: Trained) -> None:
     assert summary["samples_per_s"] > 0 and summary["seconds"] > 0
     assert read_json(run.path / layout.DATASET)["classes"] == [str(i) for i in range(10)]
     assert run.manifest()["stages"]["train"]["inputs"] == {"data": data.fingerprint(small_config().data)}
+
+
+def test_a_run_on_one_host_listens_on_loopback_only(trained: Trained, listening: set[str]) -> None:
+    """The rendezvous store, the ranks' store and gloo, seen while `trained` ran: on 127.0.0.1, not on every interface
+    as torch's own would be (docs/security.md#the-rendezvous-store)."""
+    assert len({addr.rsplit(":", 1)[1] for addr in listening}) >= 3, listening  # the two stores and gloo, at least
+    assert all(addr.startswith("127.0.0.1:") for addr in listening), listening
 
 
 def test_metrics_lines_have_the_documented_fields(trained: Trained) -> None:

@@ -20,11 +20,25 @@ import asyncssh
 
 from pipeline.fleet.ssh import FAILURES
 
+ENV_FILE = ".agent-env"
+"""The agent's environment, in its run directory on the device: written there by the controller (mode 600, through
+the command's stdin) and removed by the wrapper once read, so no value is ever on a command line
+(docs/security.md#secrets)."""
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
-def agent_script(run_dir: str, python: str, env: dict[str, str], torchrun: list[str], token: str, addr: str) -> str:
-    """The shell wrapper that runs one device's torchrun agent (see the module docstring)."""
-    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
-    args = " ".join(torchrun)
+
+def env_file(env: dict[str, str]) -> str:
+    """The text of ENV_FILE: one `export NAME='value'` line per variable."""
+    for name in env:
+        if not _NAME.fullmatch(name):  # train.env's names are checked with the config; this guards every other way in
+            raise ValueError(f"not an environment variable name: {name!r}")
+    return "".join(f"export {name}={shlex.quote(value)}\n" for name, value in sorted(env.items()))
+
+
+def agent_script(run_dir: str, python: str, torchrun: list[str], token: str, addr: str) -> str:
+    """The shell wrapper that runs one device's torchrun agent (see the module docstring), its environment read from
+    ENV_FILE in `run_dir`."""
+    args = " ".join(shlex.quote(arg) for arg in torchrun)
     me = shlex.quote(addr) if addr else "$3"
     return f"""tok={token}
 marked() {{ for p in /proc/[0-9]*; do
@@ -35,10 +49,12 @@ stop() {{ kill -s TERM $(marked) 2>/dev/null; n=0
 trap 'stop; exit 143' TERM INT HUP
 exec 3<&0
 cd {shlex.quote(run_dir)} || exit 2
+. ./{ENV_FILE} || exit 2
+rm -f ./{ENV_FILE}
 set -- $SSH_CONNECTION
-ctl=$1 me={me}
-env {exports} PIPELINE_JOB=$tok {python} -m torch.distributed.run {args} --rdzv-endpoint "$ctl:$PORT" \\
-  --local-addr "$me" -m pipeline.train.rank.worker --run-dir {shlex.quote(run_dir)} </dev/null 3<&- &
+me={me}
+PIPELINE_JOB=$tok {python} -m torch.distributed.run {args} --local-addr "$me" \\
+  -m pipeline.train.rank.worker --run-dir {shlex.quote(run_dir)} </dev/null 3<&- &
 agent=$!
 ( while read -r _; do :; done; stop ) <&3 >/dev/null 2>&1 &
 watcher=$!

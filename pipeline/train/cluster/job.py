@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import re
 import secrets
 import time
 from dataclasses import asdict, dataclass, field
@@ -19,11 +20,10 @@ from pipeline import layout
 from pipeline.config import Config
 from pipeline.errors import PipelineError
 from pipeline.fleet import upload
-from pipeline.fleet.inventory import SshTarget
 from pipeline.fleet.ssh import FAILURES
 from pipeline.safe_dcp import read_metadata
 from pipeline.train.cluster import NodeCheck, bounds, check_one, nodedata, python_path
-from pipeline.train.cluster.agent import Printer, agent_script
+from pipeline.train.cluster.agent import Printer, agent_script, env_file
 from pipeline.train.cluster.node import Node
 from pipeline.train.rank import checkpoint
 from pipeline.train.rank.runtime import DATA_LOCAL_ENV, DATA_PATH_ENV
@@ -84,8 +84,10 @@ class Job:
         self.minimum, self.maximum = bounds(cfg.train.devices, len(nodes))
         self.ready, self.away = nodes[: self.maximum], list(nodes[self.maximum :])
         self.printer = printer
-        # The run's directory on every device: named after the controller's, unique per controller path.
-        self.key = f"{run_dir.name}-{hashlib.sha256(str(run_dir).encode()).hexdigest()[:8]}"
+        # The run's directory on every device: named after the controller's, unique per controller path, and of
+        # characters no shell reads as syntax (the name comes from a config or a Prefect parameter).
+        safe_name = re.sub(r"[^A-Za-z0-9_.-]", "_", run_dir.name)[:64]
+        self.key = f"{safe_name}-{hashlib.sha256(str(run_dir).encode()).hexdigest()[:8]}"
         self.token = secrets.token_hex(8)
         self.events: list[Event] = []
         self.last_step = 0
@@ -111,7 +113,7 @@ class Job:
         """Train to the end in rounds, the rendezvous store on `port`; returns what summary.json adds about the
         cluster."""
         self.port = port
-        members = [await Node.connect(check, self.key) for check in self.ready]
+        members = [await Node.connect(check, self.key, port) for check in self.ready]
         try:
             while True:
                 self.rounds += 1
@@ -141,7 +143,7 @@ class Job:
         for check in end.joining:
             self.events.append(Event("joined", check.target.name, now, self.last_step, resumed))
             self.away = [c for c in self.away if c.target.name != check.target.name]
-            left.append(await Node.connect(check, self.key))
+            left.append(await Node.connect(check, self.key, self.port))
         if len(left) < self.minimum:
             gone = ", ".join(n.name for n in end.lost)
             raise PipelineError(
@@ -177,7 +179,11 @@ class Job:
 
     async def _start(self, members: list[Node]) -> list[asyncio.Task[None]]:
         """Start every device's agent; returns the tasks that print their output."""
-        procs = [await node.start(self._script(node, len(members)), self.cfg.train.timeout_s) for node in members]
+        timeout_s = self.cfg.train.timeout_s
+        procs = [
+            await node.start(self._script(node, len(members)), env_file(self._agent_env(node)), timeout_s)
+            for node in members
+        ]
         return [
             asyncio.create_task(self.printer.pump(node.name, stream))
             for node, proc in zip(members, procs, strict=True)
@@ -209,21 +215,23 @@ class Job:
         torchrun = [
             *("--nproc-per-node", str(target.nproc_per_node), "--nnodes", f"{nnodes}:{nnodes}"),
             *("--rdzv-backend", "c10d", "--rdzv-id", f"{self.key}-{self.rounds}"),
-            # No agent hosts the store (docs/torch-distributed.md#choosing-the-rendezvous-host).
+            # The controller's store, through this device's SSH connection; no agent hosts one
+            # (docs/torch-distributed.md#choosing-the-rendezvous-host, docs/security.md#the-rendezvous-store).
+            *("--rdzv-endpoint", f"127.0.0.1:{node.store_port}"),
             *("--rdzv-conf", "is_host=0,join_timeout=120", "--max-restarts", "0"),
         ]
-        script = agent_script(node.run_dir, target.python, self._agent_env(target), torchrun, self.token, target.addr)
-        return script.replace('"$ctl:$PORT"', f'"$ctl:{self.port}"')
+        return agent_script(node.run_dir, target.python, torchrun, self.token, target.addr)
 
-    def _agent_env(self, target: SshTarget) -> dict[str, str]:
-        """The environment of `target`'s agent and ranks."""
+    def _agent_env(self, node: Node) -> dict[str, str]:
+        """The environment of `node`'s agent and ranks."""
+        target = node.check.target
         env = {
             **self.cfg.train.env,
+            **self.cfg.train.passed_env(),
             "PYTHONPATH": python_path(target, self.code.id),
             # docs/torch-distributed.md#stale-rendezvous-store-after-restarts
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
             "OMP_NUM_THREADS": str(self.cfg.train.threads_per_rank),
-            "PORT": str(self.port),
         }
         if nodedata.node_local(self.cfg):
             env[DATA_LOCAL_ENV] = "1"

@@ -18,7 +18,7 @@ from pipeline import layout
 from pipeline.errors import PipelineError
 from pipeline.fleet import upload
 from pipeline.fleet.ssh import FAILURES, Device
-from pipeline.train.cluster import NodeCheck, nodedata
+from pipeline.train.cluster import NodeCheck, agent, nodedata
 from pipeline.train.rank import checkpoint
 
 STOP_WAIT_S = 20.0
@@ -33,14 +33,26 @@ class Node:
     check: NodeCheck
     dev: Device
     run_dir: str
+    store_port: int
+    """The device's loopback port that leads, through this connection, to the controller's rendezvous store."""
     proc: asyncssh.SSHClientProcess[str] | None = None
 
     @classmethod
-    async def connect(cls, check: NodeCheck, key: str) -> Node:
-        """Open the device's connection; its run directory is named `key` (the job's, the same on every device)."""
+    async def connect(cls, check: NodeCheck, key: str, store_port: int) -> Node:
+        """Open the device's connection, and a port on the device's loopback forwarded through it to the
+        controller's rendezvous store on `store_port` (docs/security.md#the-rendezvous-store); the device's run
+        directory is named `key` (the job's, the same on every device)."""
         target = check.target
         dev = await Device(target, command_timeout_s=300).__aenter__()
-        return cls(check, dev, f"{target.root}/train/runs/{key}")
+        try:
+            listener = await dev.conn.forward_remote_port("127.0.0.1", 0, "127.0.0.1", store_port)
+        except asyncssh.ChannelListenError as err:
+            await dev.__aexit__(None, None, None)
+            raise PipelineError(
+                f"{target.name}: its sshd refuses to forward a port to the controller ({err.reason}): "
+                "allow it with `AllowTcpForwarding remote` (or yes) in the device's sshd_config"
+            ) from None
+        return cls(check, dev, f"{target.root}/train/runs/{key}", listener.get_port())
 
     @property
     def name(self) -> str:
@@ -53,8 +65,11 @@ class Node:
 
     # -- the agent ---------------------------------------------------------------------------------------------------
 
-    async def start(self, script: str, timeout_s: int) -> asyncssh.SSHClientProcess[str]:
-        """Start the agent's wrapper `script`, stopped by the device itself after `timeout_s`."""
+    async def start(self, script: str, env: str, timeout_s: int) -> asyncssh.SSHClientProcess[str]:
+        """Start the agent's wrapper `script`, stopped by the device itself after `timeout_s`; `env` is the text of
+        its environment file, sent on a command's stdin so that no value is on a command line."""
+        where = shlex.quote(f"{self.run_dir}/{agent.ENV_FILE}")
+        await _must(self.dev, f"umask 077 && cat > {where}", stdin=env)
         self.proc = await self.dev.start(script, timeout_s)
         return self.proc
 
@@ -147,7 +162,7 @@ def _step_of(name: str) -> int:
     return int(match[1]) if match else -1
 
 
-async def _must(dev: Device, command: str) -> None:
-    out = await dev.run(command)
+async def _must(dev: Device, command: str, stdin: str | None = None) -> None:
+    out = await dev.run(command, stdin=stdin)
     if not out.ok:
         raise PipelineError(f"{dev.target.name}: `{command[:60]}...`: {out.tail()}")

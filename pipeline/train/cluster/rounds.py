@@ -25,7 +25,6 @@ from pipeline.fleet.ssh import Device
 from pipeline.train.cluster import bounds, check_all, code_bundle, nodedata, python_path, refuse_unready
 from pipeline.train.cluster.agent import Printer
 from pipeline.train.cluster.job import Job
-from pipeline.train.launch.launcher import free_port
 from pipeline.train.rank import checkpoint
 
 
@@ -77,22 +76,22 @@ async def _train(cfg: Config, run_dir: Path, inventory: Inventory, workdir: Path
 
 
 async def _hosted(job: Job, timeout_s: int) -> tuple[dict[str, Any], float]:
-    """Run `job` within `timeout_s`, the rendezvous store hosted here for the whole of it (every agent is a client:
-    is_host=0); returns what it adds to summary.json and its seconds."""
-    from torch.distributed import TCPStore  # seconds to import: only once the devices are known to be ready
+    """Run `job` within `timeout_s`, the rendezvous store hosted here for the whole of it, on loopback only: each
+    device reaches it through its SSH connection (every agent is a client: is_host=0). Returns what the job adds to
+    summary.json and its seconds."""
+    from pipeline.train.rank import store  # torch: seconds to import, only once the devices are known to be ready
 
-    port = free_port("0.0.0.0")
-    store = TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False)
+    rendezvous = store.serve("127.0.0.1")
     started = time.monotonic()
     try:
         async with asyncio.timeout(timeout_s):
-            cluster = await job.run(port)
+            cluster = await job.run(rendezvous.port)
     except TimeoutError:
         raise PipelineError(
             f"train.timeout_s: training still running after {timeout_s}s; stopped it on every device"
         ) from None
     finally:
-        del store
+        del rendezvous
     return cluster, time.monotonic() - started
 
 

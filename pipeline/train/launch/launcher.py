@@ -24,27 +24,14 @@ from pipeline.manifest import RunDir
 from pipeline.train.compression import registry
 from pipeline.train.launch import procgroup
 from pipeline.train.launch.topology import SINGLE_NODE, Topology
-from pipeline.train.rank import checkpoint, finetune, runtime
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago, for a single-node rendezvous."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+from pipeline.train.rank import checkpoint, finetune, runtime, store
 
 
 def command(run_dir: Path, topology: Topology, max_restarts: int = 0) -> list[str]:
     """The torchrun command line that starts this node's ranks of `pipeline.train.rank.worker`, `topology` as
-    :func:`launch` settles it (its nproc_per_node and rdzv_endpoint set)."""
+    :func:`launch` settles it (its nproc_per_node, rdzv_endpoint and local_addr set)."""
     assert topology.nproc_per_node is not None and topology.rdzv_endpoint is not None
-    local = []
-    if local_addr := topology.local_addr:
-        # torchrun otherwise advertises the address its hostname resolves to, wrong on hosts with several
-        # interfaces, and guesses from the hostname whether it hosts the rendezvous store: say both outright
-        # (docs/torch-distributed.md#choosing-the-rendezvous-host).
-        hosting = topology.rdzv_endpoint.rsplit(":", 1)[0] == local_addr
-        local = ["--local-addr", local_addr, "--rdzv-conf", f"is_host={int(hosting)}"]
+    assert topology.local_addr is not None
     return [
         sys.executable,
         "-m",
@@ -59,9 +46,15 @@ def command(run_dir: Path, topology: Topology, max_restarts: int = 0) -> list[st
         "c10d",
         "--rdzv-endpoint",
         topology.rdzv_endpoint,
+        # No agent hosts the store: the launcher of the node at the endpoint does, on that address alone
+        # (pipeline/train/rank/store.py). torchrun otherwise advertises the address its hostname resolves to, wrong on
+        # hosts with several interfaces: say it outright (docs/torch-distributed.md#choosing-the-rendezvous-host).
+        "--rdzv-conf",
+        "is_host=0",
+        "--local-addr",
+        topology.local_addr,
         "--max-restarts",
         str(max_restarts),
-        *local,
         "-m",
         "pipeline.train.rank.worker",
         "--run-dir",
@@ -69,13 +62,16 @@ def command(run_dir: Path, topology: Topology, max_restarts: int = 0) -> list[st
     ]
 
 
-def environment(cfg: TrainConfig) -> dict[str, str]:
+def environment(cfg: TrainConfig, single_node: bool) -> dict[str, str]:
     """The ranks' environment: ours, plus the settings torchrun and the CPU ranks need."""
     env = dict(os.environ) | cfg.env
     # Restarted ranks otherwise dial a stale rank-0 address from the shared store (pytorch#135712,
     # docs/torch-distributed.md#stale-rendezvous-store-after-restarts).
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env["OMP_NUM_THREADS"] = str(cfg.threads_per_rank)
+    if single_node:
+        # gloo listens on the address the hostname resolves to; one host's ranks need loopback only.
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     return env
 
 
@@ -83,6 +79,7 @@ def preflight(cfg: Config) -> None:
     """Reject configs that cannot train before any process starts, so the user gets one line, not N tracebacks."""
     runtime.resolve_backend(cfg.train)
     registry.check(cfg.train)
+    cfg.train.passed_env()
     data.check_source(cfg.data)
     spec = models.spec_for(cfg.model.name)
     if cfg.data.image_size < spec.min_size:
@@ -129,12 +126,18 @@ def launch(
     run_dir = Path(run_dir).resolve()
     checkpoint.resumable(run_dir / layout.CHECKPOINTS, cfg)  # refuse a foreign checkpoint before touching anything
     _sync_snapshot(cfg, run_dir)
-    endpoint = topology.rdzv_endpoint or f"127.0.0.1:{free_port()}"
-    cmd = command(run_dir, replace(topology, nproc_per_node=nproc, rdzv_endpoint=endpoint), cfg.train.max_restarts)
-    env = environment(cfg.train)
+    single = topology.nnodes == 1
+    rdzv = topology.rdzv_endpoint or "127.0.0.1:0"
+    rdzv_host, _, rdzv_port = rdzv.rpartition(":")
+    rdzv_store = store.serve_if_free(rdzv_host, int(rdzv_port))
+    if rdzv_store is not None:
+        rdzv = f"{rdzv_host}:{rdzv_store.port}"
+    local_addr = topology.local_addr or ("127.0.0.1" if single else socket.getfqdn())
+    placed = replace(topology, nproc_per_node=nproc, rdzv_endpoint=rdzv, local_addr=local_addr)
+    env = environment(cfg.train, single)
     if output is not None:
         env["TQDM_MININTERVAL"] = "30"  # a log line per bar redraw: keep redraws rare when output is logged
-    job = procgroup.start(cmd, env, output)
+    job = procgroup.start(command(run_dir, placed, cfg.train.max_restarts), env, output)
     try:
         code = job.proc.wait(timeout=cfg.train.timeout_s)
     except subprocess.TimeoutExpired:
@@ -143,5 +146,6 @@ def launch(
         ) from None
     finally:
         procgroup.stop(job)  # on every way out; also catches ranks that outlive a torchrun which exited
+        del rdzv_store
     if code != 0:
         raise PipelineError(f"train: torchrun exited with code {code}; see output above")

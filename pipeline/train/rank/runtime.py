@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from pipeline.config import DataConfig, TrainConfig
 from pipeline.errors import PipelineError
+from pipeline.train.rank import store
 
 DATA_PATH_ENV = "PIPELINE_DATA_PATH"
 """Set by cluster training on a device the controller sent the dataset to: where that device's copy is."""
@@ -89,5 +90,12 @@ def init(cfg: TrainConfig) -> Runtime:
         device = torch.device("cpu")
     torch.set_num_threads(cfg.threads_per_rank)
     timeout = datetime.timedelta(seconds=cfg.pg_timeout_s)
-    dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+    dist.init_process_group(
+        backend,
+        store=store.ranks_store(timeout),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timeout,
+        device_id=device if backend == "nccl" else None,
+    )
     return Runtime(dist.get_rank(), dist.get_world_size(), backend, device, resolve_precision(cfg, device))

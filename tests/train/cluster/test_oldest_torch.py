@@ -18,6 +18,7 @@ from pipeline import layout
 from pipeline.files import read_json
 from tests.harness import fixtures
 from tests.train.cluster.test_cluster import REPO, forwarding, inventory, marked_processes, run_cli, start_cluster
+from tests.train.cluster.test_security import run_attacked_job
 
 jetson_fleet = fixtures.jetson_fleet
 OLDEST = Path(os.environ.get("PIPELINE_OLDEST_PYTHON", REPO / ".venv-oldest/bin/python"))
@@ -55,3 +56,11 @@ def test_python_3_10_and_torch_2_5_devices_train_and_the_controller_goes_on(
         "(its FSDP2 runs on a CPU from torch 2.6); use ddp"
     ], fsdp.stderr
     assert marked_processes(fleet) == []
+
+
+def test_on_python_3_10_devices_an_attacker_reaches_no_store_and_nothing_leaks(
+    jetson_fleet, forwarding, tmp_path: Path
+) -> None:
+    """tests/train/cluster/test_security.py's attacks, on devices with torch 2.5 (whose TCPStore serves a socket
+    handed to it only with its legacy backend)."""
+    run_attacked_job(jetson_fleet, tmp_path, str(OLDEST))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from pipeline.train.rank import checkpoint
 
 
 def test_command_runs_the_worker_module_under_torchrun() -> None:
-    node_1 = Topology(nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29500", nproc_per_node=4)
+    node_1 = Topology(nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29500", nproc_per_node=4, local_addr="10.0.0.2")
     cmd = launcher.command(Path("/runs/r1"), node_1, max_restarts=3)
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
     args = cmd[3:]
@@ -32,23 +31,24 @@ def test_command_runs_the_worker_module_under_torchrun() -> None:
     assert pairs["--rdzv-backend"] == "c10d"
     assert pairs["--rdzv-endpoint"] == "10.0.0.1:29500"
     assert pairs["--max-restarts"] == "3"
+    assert pairs["--local-addr"] == "10.0.0.2"
+    # No agent hosts the rendezvous store, the node at the endpoint included: its launcher does, bound to one address.
+    assert pairs["--rdzv-conf"] == "is_host=0"
     assert cmd[-4:] == ["-m", "pipeline.train.rank.worker", "--run-dir", "/runs/r1"]
-    assert "--local-addr" not in cmd  # torchrun then looks the address up from the hostname
-    with_addr = launcher.command(Path("/runs/r1"), replace(node_1, local_addr="10.0.0.2"))
-    assert with_addr[with_addr.index("--local-addr") + 1] == "10.0.0.2"
-    assert with_addr[with_addr.index("--rdzv-conf") + 1] == "is_host=0"
-    hosting = launcher.command(Path("/runs/r1"), replace(node_1, node_rank=0, local_addr="10.0.0.1"))
-    assert hosting[hosting.index("--rdzv-conf") + 1] == "is_host=1"  # the endpoint is this node: it hosts
 
 
 def test_environment_pins_threads_and_store_behaviour() -> None:
     net = {"GLOO_SOCKET_IFNAME": "wlan0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
-    env = launcher.environment(validate({"train": {"threads_per_rank": 3, "env": net}}, "test").train)
+    env = launcher.environment(validate({"train": {"threads_per_rank": 3, "env": net}}, "test").train, True)
     assert env["GLOO_SOCKET_IFNAME"] == "wlan0" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert env["OMP_NUM_THREADS"] == "3"
     # The ranks import the installed package, so nothing points them at a source tree.
     assert env.get("PYTHONPATH") == os.environ.get("PYTHONPATH")
+    # One host's gloo listens on loopback, unless the user named an interface; several hosts need the network.
+    assert launcher.environment(validate({}, "test").train, True)["GLOO_SOCKET_IFNAME"] == "lo"
+    several = launcher.environment(validate({}, "test").train, False)
+    assert several.get("GLOO_SOCKET_IFNAME") == os.environ.get("GLOO_SOCKET_IFNAME")
 
 
 @pytest.mark.parametrize(

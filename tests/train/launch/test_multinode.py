@@ -9,7 +9,7 @@ from pathlib import Path
 from pipeline import layout, train
 from pipeline.files import read_json
 from pipeline.manifest import RunDir
-from pipeline.train.launch.launcher import free_port
+from tests.train.ranks import free_port
 from tests.train.test_stage import STEPS_PER_EPOCH
 
 
