@@ -27,6 +27,7 @@ from pipeline.train.cluster.agent import Printer, agent_script, env_file
 from pipeline.train.cluster.node import Node
 from pipeline.train.rank import checkpoint
 from pipeline.train.rank.runtime import DATA_LOCAL_ENV, DATA_PATH_ENV
+from pipeline.train.rank.store import RANKS_STORE_ENV
 
 POLL_S = 2.0
 """Seconds between the controller's looks at the devices: a new checkpoint to copy, the last step, a device back."""
@@ -232,6 +233,7 @@ class Job:
             # docs/torch-distributed.md#stale-rendezvous-store-after-restarts
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
             "OMP_NUM_THREADS": str(self.cfg.train.threads_per_rank),
+            RANKS_STORE_ENV: f"127.0.0.1:{node.store_port}",
         }
         if nodedata.node_local(self.cfg):
             env[DATA_LOCAL_ENV] = "1"

@@ -7,8 +7,9 @@ address, and handed to torch with `master_listen_fd` (libuv backend, torch's def
 
 - the rendezvous store, hosted by the controller (the launcher, or the SSH job) on 127.0.0.1; devices reach it through
   the SSH connection the controller already holds (a remote port forward), so it is never on the network;
-- the ranks' own store (MASTER_ADDR:MASTER_PORT, which torchrun's rank-0 node picks), hosted by rank 0 on that address
-  alone: loopback on one host, the address the devices reach each other on in a cluster.
+- the ranks' own store: in the SSH job, the controller's again (each round under a prefix of its own); otherwise
+  MASTER_ADDR:MASTER_PORT, which torchrun's rank-0 node picks, hosted by rank 0 on that address alone (loopback on one
+  host). Only gloo's own links listen on a device, on the interface the inventory names.
 
 A device imports this module (Python 3.10, torch 2.5).
 """
@@ -80,11 +81,23 @@ def serve_if_free(host: str, port: int) -> dist.TCPStore | None:
         return None
 
 
+RANKS_STORE_ENV = "PIPELINE_RANKS_STORE"
+"""HOST:PORT of a store the ranks meet at instead of rank 0's own: the SSH job's, which each device reaches through
+the controller's connection."""
+
+
 def ranks_store(timeout: datetime.timedelta) -> dist.Store:
-    """The store this rank's process group meets at: torchrun's MASTER_ADDR:MASTER_PORT, served by rank 0 on that
-    address only (torch's env:// would serve it on every interface)."""
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    """The store this rank's process group meets at. In the SSH job, the controller's (RANKS_STORE_ENV), under a
+    prefix of this round's own: nothing on a device listens but gloo. Otherwise torchrun's MASTER_ADDR:MASTER_PORT,
+    served by rank 0 on that address only (torch's env:// would serve it on every interface)."""
     world_size = int(os.environ["WORLD_SIZE"])
+    if shared := os.environ.get(RANKS_STORE_ENV):
+        host, _, port = shared.rpartition(":")
+        client = dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timeout)
+        # One round of the job is one rendezvous id, never restarted (--max-restarts 0): its own keys.
+        run = f"{os.environ['TORCHELASTIC_RUN_ID']}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        return dist.PrefixStore(f"ranks/{run}", client)
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     if int(os.environ["RANK"]) == 0:
         try:
             return serve(host, port, world_size, timeout.total_seconds())
