@@ -38,6 +38,15 @@ from pipeline.files import fsync_dir, read_json, write_json
 TRAINER_JSON = "trainer.json"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"step-(\d+)")
+# What a checkpoint's own files are called (__0_0.distcp, .metadata, trainer.json, rng-0.pt, SHA256SUMS): a name
+# from elsewhere (a device, a .metadata) outside this set could climb out of the directory it is joined to.
+_PLAIN_NAME = re.compile(r"(?!\.\.?\Z)[A-Za-z0-9._-]{1,128}")
+
+
+def plain_name(name: str) -> bool:
+    """True when `name` can be a file of a checkpoint directory: letters, digits, `._-`, not `.` or `..`, at most
+    128 characters; joined to a directory, it names a file directly inside it."""
+    return _PLAIN_NAME.fullmatch(name) is not None
 
 
 def step_dirs(root: Path) -> list[Path]:
