@@ -30,6 +30,12 @@ def test_a_synced_release_and_switch_pass(tmp_path: Path):
     assert findings(tmp_path, STAGE, SYNC_PART, PUBLISH, SYNC_RELEASES, SWITCH, SYNC_ROOT) == []
 
 
+def test_a_file_fsynced_under_its_temp_name_before_the_rename_counts_as_synced(tmp_path: Path):
+    """What `pipeline.files.publish` does for each file it puts into a `.part` (Device.get of a checkpoint file)."""
+    durable_file = STAGE.replace(" && mv", " && sync -- releases/r.part/f.tmp && mv")
+    assert findings(tmp_path, durable_file, "sync -- releases/r.part", PUBLISH, SYNC_RELEASES, SWITCH, SYNC_ROOT) == []
+
+
 def test_plain_sync_covers_what_came_before_it(tmp_path: Path):
     assert findings(tmp_path, STAGE, "sync", PUBLISH, "sync", SWITCH, "sync") == []
 

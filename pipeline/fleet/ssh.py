@@ -18,6 +18,7 @@ from typing import Any
 
 import asyncssh
 
+from pipeline.files import atomic_path
 from pipeline.fleet.inventory import SshTarget
 
 FAILURES = (OSError, asyncssh.Error, asyncio.TimeoutError)
@@ -106,12 +107,12 @@ class Device:
         return await self.conn.create_process(remote_command(command, timeout_s), encoding="utf-8", errors="replace")
 
     async def get(self, remote: str, local: Path) -> int:
-        """Download one file to `local` (via `local`.tmp, renamed when whole); returns its size."""
+        """Download one file to `local` durably: into a temp file beside it, fsynced, renamed when whole, the directory
+        fsynced (a checkpoint copied back is trusted as soon as it has its name); returns its size."""
         if self._sftp is None:
             self._sftp = await self.conn.start_sftp_client()
-        tmp = local.with_name(f"{local.name}.tmp")
-        await self._sftp.get(remote, str(tmp))
-        tmp.replace(local)
+        with atomic_path(local) as tmp:
+            await self._sftp.get(remote, str(tmp))
         return local.stat().st_size
 
     async def put(self, local: Path, remote: str) -> int:

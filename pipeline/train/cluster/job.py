@@ -19,6 +19,7 @@ from typing import Any
 from pipeline import layout
 from pipeline.config import Config
 from pipeline.errors import PipelineError
+from pipeline.files import fsync_dir
 from pipeline.fleet import upload
 from pipeline.fleet.ssh import FAILURES
 from pipeline.safe_dcp import read_metadata
@@ -292,7 +293,10 @@ class Job:
             await node.get_checkpoint(name, part)
         if not (part / checkpoint.TRAINER_JSON).is_file() or not _whole(part):
             return
+        # Each file and `part` itself were synced as they were copied (Device.get); the rename is synced before
+        # `latest` moves, so a power cut never leaves `latest` on a name that is not on disk.
         part.rename(self.ckpt_root / name)
+        fsync_dir(self.ckpt_root)
         checkpoint.point_latest(self.ckpt_root, name)
         checkpoint.prune(self.ckpt_root, self.cfg.train.keep_checkpoints)
 
@@ -318,10 +322,14 @@ async def _exit_statuses(
 
 
 def _whole(step_dir: Path) -> bool:
-    """True when every file the checkpoint's metadata names is here."""
+    """True when every file the checkpoint's metadata names is here. The metadata came from a device: a name in it
+    that is not a plain file name (`../..`, an absolute path) is refused rather than looked up outside `step_dir`."""
     try:
         metadata = read_metadata(step_dir)
     except (PipelineError, OSError):
         return False
     names = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    for name in names:
+        if not checkpoint.plain_name(name):
+            raise PipelineError(f"{step_dir}/.metadata: names {name[:80]!r}, not a file of the checkpoint; refused")
     return all((step_dir / name).is_file() for name in names)

@@ -139,11 +139,21 @@ class Node:
         return _step_of(lines[0] if lines else ""), max(steps, default=-1)
 
     async def get_checkpoint(self, name: str, part: Path) -> None:
-        """Copy the device's files of checkpoint `name` that `part` (the controller's copy in progress) lacks."""
+        """Copy the device's files of checkpoint `name` that `part` (the controller's copy in progress) lacks.
+
+        The names come from the device: every one is checked before anything is copied, and one that is not a plain
+        file name of a checkpoint fails the round naming this device, with nothing written."""
         where = f"{self.run_dir}/{layout.CHECKPOINTS}/{name}"
         out = await self.dev.run(f"cd {shlex.quote(where)} 2>/dev/null && ls -A; true", timeout_s=20)
-        for file in out.stdout.split():
-            if file != upload.SUMS and not file.endswith(".tmp") and not (part / file).exists():
+        offered = [f for f in out.stdout.splitlines() if f != upload.SUMS and not f.endswith(".tmp")]
+        for file in offered:
+            if not checkpoint.plain_name(file):
+                raise PipelineError(
+                    f"{self.name}: offered checkpoint file {file[:80]!r} for {name}: not a plain file name; "
+                    "refusing to copy from a device that misbehaves"
+                )
+        for file in offered:
+            if not (part / file).exists():
                 await self.dev.get(f"{where}/{file}", part / file)
 
     async def get_results(self, run_dir: Path) -> bool:

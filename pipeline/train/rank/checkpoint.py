@@ -16,6 +16,7 @@ On several nodes, ``checkpoints/`` must be on a filesystem they share: each rank
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import shutil
 import sys
@@ -33,11 +34,20 @@ from torch.optim import Optimizer
 from pipeline import safe_dcp
 from pipeline.config import Config
 from pipeline.errors import PipelineError
-from pipeline.files import fsync_dir, read_json, write_json
+from pipeline.files import atomic_path, first_line, fsync_dir, read_json, write_json
 
 TRAINER_JSON = "trainer.json"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"step-(\d+)")
+# What a checkpoint's own files are called (__0_0.distcp, .metadata, trainer.json, rng-0.pt, SHA256SUMS): a name
+# from elsewhere (a device, a .metadata) outside this set could climb out of the directory it is joined to.
+_PLAIN_NAME = re.compile(r"(?!\.\.?\Z)[A-Za-z0-9._-]{1,128}")
+
+
+def plain_name(name: str) -> bool:
+    """True when `name` can be a file of a checkpoint directory: letters, digits, `._-`, not `.` or `..`, at most
+    128 characters; joined to a directory, it names a file directly inside it."""
+    return _PLAIN_NAME.fullmatch(name) is not None
 
 
 def step_dirs(root: Path) -> list[Path]:
@@ -59,7 +69,10 @@ def latest(root: Path) -> Path | None:
 
 def read_meta(step_dir: Path) -> dict[str, Any]:
     """trainer.json of a complete checkpoint: at least `epoch` (last finished, 0-based) and `step`."""
-    return read_json(step_dir / TRAINER_JSON)
+    meta = read_json(step_dir / TRAINER_JSON)
+    if not isinstance(meta, dict) or not all(isinstance(meta.get(key), int) for key in ("epoch", "step")):
+        raise PipelineError(f"{step_dir / TRAINER_JSON}: corrupt: needs an object with integer epoch and step")
+    return meta
 
 
 def resume_key(cfg: Config) -> str:
@@ -74,8 +87,26 @@ def resumable(root: Path, cfg: Config) -> Path | None:
         return None
     if read_meta(found).get("resume_key") != resume_key(cfg):
         raise PipelineError(f"{found}: written for a different data/model config; train into a new run directory")
-    safe_dcp.read_metadata(found)  # refused here, once, before any rank starts, rather than on every rank
+    # Refused here, once, before any rank starts, rather than as a traceback on every rank.
+    safe_dcp.read_metadata(found)
+    for rng in sorted(found.glob("rng-*.pt")):
+        _check_rng(rng)
     return found
+
+
+def _check_rng(path: Path) -> None:
+    """A one-line error unless `path` holds a torch RNG state (a byte tensor) that `weights_only` loads."""
+    try:
+        state = torch.load(path, weights_only=True)
+    except (EOFError, RuntimeError, pickle.UnpicklingError, OSError, ValueError) as err:
+        why = first_line(err, typed=True)
+    else:
+        if isinstance(state, torch.Tensor) and state.dtype == torch.uint8:
+            return
+        why = f"holds a {type(state).__name__}, not an RNG state"
+    raise PipelineError(
+        f"{path}: unreadable ({why}); delete it to resume with that rank's own seed, or train into a new run directory"
+    )
 
 
 def point_latest(root: Path, name: str) -> None:
@@ -139,7 +170,9 @@ class Checkpointer:
             shutil.rmtree(target, ignore_errors=True)
         dist.barrier()
         target.mkdir(parents=True, exist_ok=True)
-        torch.save(torch.get_rng_state(), target / f"rng-{dist.get_rank()}.pt")
+        # Durable and whole, or absent: an emptied rng file (a power cut after an in-place write) fails every resume.
+        with atomic_path(target / f"rng-{dist.get_rank()}.pt") as tmp:
+            torch.save(torch.get_rng_state(), tmp)
         state = _state(model, optim)
         if self.group is None:
             written: Future[Any] = Future()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,10 +15,12 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import models
-from pipeline.config import validate
+from pipeline import layout
+from pipeline.config import Config, validate
 from pipeline.errors import PipelineError
 from pipeline.files import write_json
 from pipeline.train.rank import checkpoint, runtime
+from tests import durability
 from tests.train.ranks import run_ranks
 
 
@@ -115,3 +120,88 @@ def test_a_checkpoint_holds_the_weights_of_its_step_and_latest_moves_once_it_is_
         expected = torch.load(tmp_path / f"{mode}.pt", weights_only=True)
         assert all(torch.equal(state["model"][k], expected[k]) for k in expected)
         assert sorted(p.name for p in (root / "step-1").glob("rng-*.pt")) == ["rng-0.pt", "rng-1.pt"]
+
+
+def _resumable_step(root: Path, cfg: Config) -> Path:
+    """A complete checkpoint step-7 of `cfg` under `root`, `latest` on it, with rank 0's RNG state."""
+    dcp.save({"model": {"w": torch.zeros(2)}}, checkpoint_id=root / "step-7", no_dist=True)
+    write_json(
+        root / "step-7" / checkpoint.TRAINER_JSON, {"epoch": 0, "step": 7, "resume_key": checkpoint.resume_key(cfg)}
+    )
+    torch.save(torch.get_rng_state(), root / "step-7" / "rng-0.pt")
+    checkpoint.point_latest(root, "step-7")
+    return root / "step-7"
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (b"", r"EOFError"),  # what a power cut leaves of a file written in place
+        (b"garbage", r"UnpicklingError"),
+        ("a dict", r"holds a dict, not an RNG state"),
+    ],
+)
+def test_a_checkpoint_with_an_unreadable_rng_file_is_not_resumable(tmp_path: Path, content: bytes | str, why: str):
+    cfg = validate({}, "test")
+    step = _resumable_step(tmp_path, cfg)
+    if isinstance(content, bytes):
+        (step / "rng-1.pt").write_bytes(content)
+    else:
+        torch.save({"state": torch.zeros(3)}, step / "rng-1.pt")
+    with pytest.raises(PipelineError, match=rf"step-7/rng-1\.pt: unreadable \({why}.*\); delete it to resume"):
+        checkpoint.resumable(tmp_path, cfg)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+@pytest.mark.parametrize("meta", [[1, 2], {"epoch": 0}, {"epoch": 0, "step": "7"}])
+def test_a_trainer_json_without_integer_epoch_and_step_is_refused(tmp_path: Path, meta: object):
+    cfg = validate({}, "test")
+    step = _resumable_step(tmp_path, cfg)
+    write_json(step / checkpoint.TRAINER_JSON, meta)
+    with pytest.raises(PipelineError, match=r"step-7/trainer\.json: corrupt: needs an object with integer epoch"):
+        checkpoint.resumable(tmp_path, cfg)
+
+
+def test_a_checkpoint_and_its_rng_file_are_on_disk_before_latest_moves(tmp_path: Path) -> None:
+    """Under strace, one rank (this process, a world of one): rng-0.pt reaches its name by a rename after an fsync,
+    like every other file of the checkpoint, and the step directory is synced before `latest` switches."""
+    root, log = tmp_path / "checkpoints", tmp_path / "save.strace"
+    model = models.build_model("small_cnn", 10, 1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with durability.attached(os.getpid(), log):
+            checkpoint.Checkpointer(root, keep=2, asynchronous=False).save(
+                model, torch.optim.AdamW(model.parameters()), {"epoch": 0, "step": 1}
+            )
+    finally:
+        dist.destroy_process_group()
+    assert root / "step-1" / "rng-0.pt" in durability.published(log, root)
+    assert durability.unsynced_publishes(log, root) == []
+
+
+def test_resume_from_an_emptied_rng_file_is_one_line_through_the_cli(tmp_path: Path) -> None:
+    """Train the quickstart for an epoch, empty rank 0's RNG file in the latest checkpoint (as a power cut leaves a
+    file written in place), resume: exit 2, one line naming the file, no traceback, no rank started."""
+    run = tmp_path / "run"
+    train = [
+        sys.executable,
+        "-m",
+        "pipeline",
+        "train",
+        "--run-dir",
+        str(run),
+        "--set",
+        "train.nproc_per_node=1",
+        "--set",
+    ]
+    first = subprocess.run([*train, "train.epochs=1"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert first.returncode == 0, first.stderr
+    rng = run / layout.LATEST / "rng-0.pt"
+    rng.write_bytes(b"")
+    metrics = (run / layout.METRICS).read_text()
+    again = subprocess.run([*train, "train.epochs=2"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert again.returncode == 2, again.stderr
+    lines = again.stderr.strip().splitlines()
+    assert len(lines) == 1 and "rng-0.pt: unreadable (EOFError" in lines[0], again.stderr
+    assert (run / layout.METRICS).read_text() == metrics  # no rank started

@@ -1,0 +1,115 @@
+"""Checkpoints copied back from a device to the controller, through the real `Node` over SSH to one stand-in Jetson
+(tests/harness): a device that offers hostile file names, and the durability of what is copied before `latest` moves.
+
+No training runs here: the device's checkpoint is a real (tiny) DCP checkpoint written by the test onto its disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import posixpath
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from pipeline import layout
+from pipeline.config import validate
+from pipeline.errors import PipelineError
+from pipeline.files import write_json
+from pipeline.fleet import upload
+from pipeline.fleet.inventory import SshTarget, load_inventory
+from pipeline.train.cluster import NodeCheck
+from pipeline.train.cluster.agent import Printer
+from pipeline.train.cluster.job import Job
+from pipeline.train.cluster.node import Node
+from pipeline.train.rank import checkpoint
+from tests import durability
+from tests.harness import JetsonFleet, JetsonTarget, TargetSpec, fixtures
+
+jetson_fleet = fixtures.jetson_fleet
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # dcp.save, no ranks
+STEP = "step-3"
+
+
+def one_device(jetson_fleet: Callable[..., JetsonFleet]) -> tuple[JetsonTarget, SshTarget]:
+    """One stand-in on the loopback (no Python needed there: the controller only lists and fetches files)."""
+    fleet = jetson_fleet([TargetSpec("node-1")])
+    return fleet["node-1"], load_inventory(fleet.write_inventory()).targets[0]
+
+
+def device_checkpoint(device: JetsonTarget, key: str, scratch: Path) -> str:
+    """A complete checkpoint `step-3` in the device's run directory `key`, `latest` on it; returns its device path."""
+    source = scratch / STEP
+    dcp.save({"model": {"w": torch.arange(4.0)}}, checkpoint_id=source, no_dist=True)
+    write_json(source / checkpoint.TRAINER_JSON, {"epoch": 0, "step": 3})
+    torch.save(torch.get_rng_state(), source / "rng-0.pt")
+    ckpts = device.disk / "train/runs" / key / layout.CHECKPOINTS
+    shutil.copytree(source, ckpts / STEP)
+    (ckpts / "latest").symlink_to(STEP)
+    return f"{device.deploy_root}/train/runs/{key}/{layout.CHECKPOINTS}/{STEP}"
+
+
+def files_under(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if not p.is_dir())
+
+
+def test_a_device_offering_a_climbing_file_name_is_named_and_nothing_is_written(jetson_fleet, tmp_path: Path):
+    """A compromised device's `ls` lists `../../../../escaped` (or an absolute path on the controller) beside a real
+    file, and serves those paths: the controller names the device and writes nothing, neither there nor in `part`."""
+    device, target = one_device(jetson_fleet)
+    where = device_checkpoint(device, "job", tmp_path)
+    controller = tmp_path / "controller"
+    part = controller / "run" / layout.CHECKPOINTS / f".{STEP}.part"
+    part.mkdir(parents=True)
+    for hostile in ("../../../../escaped", f"{controller}/absolute"):
+        served = posixpath.normpath(f"{where}/{hostile}")
+        device.run(f"mkdir -p {posixpath.dirname(served)} && echo planted >{served}")
+        device.run(
+            "cat >/usr/local/bin/ls && chmod 755 /usr/local/bin/ls",
+            input=f"#!/bin/sh\nprintf '%s\\n' {checkpoint.TRAINER_JSON} '{hostile}'\n",
+        )
+        with pytest.raises(
+            PipelineError,
+            match=rf"^node-1: offered checkpoint file {re.escape(repr(hostile)[:40])}.* for {STEP}: not a plain",
+        ):
+            asyncio.run(_get_checkpoint(target, part))
+        assert files_under(controller) == []
+
+
+async def _get_checkpoint(target: SshTarget, part: Path) -> None:
+    node = await Node.connect(NodeCheck(target), "job")
+    try:
+        await node.get_checkpoint(STEP, part)
+    finally:
+        await node.close()
+
+
+def test_a_checkpoint_copied_back_is_on_disk_before_latest_moves(jetson_fleet, tmp_path: Path):
+    """Under strace (this process): each copied file is fsynced before its rename into `.step-3.part`, the part
+    fsynced after its last entry, renamed, the checkpoints directory fsynced, and only then `latest` switched."""
+    device, target = one_device(jetson_fleet)
+    job = Job(
+        validate({}, "test"), tmp_path / "run", [NodeCheck(target)], upload.bundle("none", {}), tmp_path, Printer(None)
+    )
+    device_checkpoint(device, job.key, tmp_path)
+    log = tmp_path / "collect.strace"
+
+    async def collect() -> None:
+        node = await Node.connect(NodeCheck(target), job.key)
+        try:
+            with durability.attached(os.getpid(), log):
+                await job._collect_newest([node])
+        finally:
+            await node.close()
+
+    asyncio.run(collect())
+    assert checkpoint.latest(job.ckpt_root) == (job.ckpt_root / STEP).resolve()
+    assert files_under(job.ckpt_root / STEP) == [".metadata", "__0_0.distcp", "rng-0.pt", checkpoint.TRAINER_JSON]
+    assert job.ckpt_root / STEP in durability.published(log, job.ckpt_root)  # the trace saw the copy
+    assert durability.unsynced_publishes(log, job.ckpt_root) == []
