@@ -135,8 +135,7 @@ class Node:
             f"readlink {run}/{layout.LATEST}; echo; tail -n 3 {run}/{layout.METRICS} 2>/dev/null; true", timeout_s=20
         )
         lines = out.stdout.splitlines()
-        steps = [json.loads(x).get("step", -1) for x in lines[2:] if x.startswith("{") and x.endswith("}")]
-        return _step_of(lines[0] if lines else ""), max(steps, default=-1)
+        return _step_of(lines[0] if lines else ""), max(map(_metrics_step, lines[2:]), default=-1)
 
     async def get_checkpoint(self, name: str, part: Path) -> None:
         """Copy the device's files of checkpoint `name` that `part` (the controller's copy in progress) lacks.
@@ -165,6 +164,15 @@ class Node:
         for rel in (layout.METRICS, layout.DATASET, layout.SUMMARY):
             await self.dev.get(f"{run}/{rel}", run_dir / rel)
         return True
+
+
+def _metrics_step(line: str) -> int:
+    """The step of a metrics line from the device; -1 for anything else (the device's word is not trusted)."""
+    try:
+        step = json.loads(line).get("step", -1)
+    except (ValueError, AttributeError, RecursionError):
+        return -1
+    return step if type(step) is int else -1
 
 
 def _step_of(name: str) -> int:

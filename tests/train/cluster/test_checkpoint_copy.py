@@ -25,6 +25,7 @@ from pipeline.files import write_json
 from pipeline.fleet import upload
 from pipeline.fleet.inventory import SshTarget, load_inventory
 from pipeline.train.cluster import NodeCheck
+from pipeline.train.cluster import node as node_module
 from pipeline.train.cluster.agent import Printer
 from pipeline.train.cluster.job import Job
 from pipeline.train.cluster.node import Node
@@ -113,3 +114,9 @@ def test_a_checkpoint_copied_back_is_on_disk_before_latest_moves(jetson_fleet, t
     assert files_under(job.ckpt_root / STEP) == [".metadata", "__0_0.distcp", "rng-0.pt", checkpoint.TRAINER_JSON]
     assert job.ckpt_root / STEP in durability.published(log, job.ckpt_root)  # the trace saw the copy
     assert durability.unsynced_publishes(log, job.ckpt_root) == []
+
+
+@pytest.mark.parametrize("line", ['{"step": "9"}', "{not json}", "[1, 2]", '{"step": 1e99}', "[" * 5000 + "]" * 5000])
+def test_a_metrics_line_from_a_device_that_is_not_a_step_counts_for_nothing(line: str) -> None:
+    assert node_module._metrics_step(line) == -1
+    assert node_module._metrics_step('{"step": 12, "loss": 0.5}') == 12
