@@ -38,6 +38,12 @@ def test_set_can_replace_a_list_of_tables():
         (['deploy.targets=[{name="a", root="x"}, {name="a", root="y"}]'], "duplicate target name(s): a"),
         (["train"], "--set 'train': expected section.key=value"),
         (["train.batch_size=1000000000000"], "train.batch_size: Input should be less than or equal to 1048576"),
+        # Names go into shell scripts on devices (#34: `id > FILE` ran there): only variable names are names.
+        (['train.env={"A;id>/tmp/x;B" = "1"}'], "train.env.A;id>/tmp/x;B.[key]: String should match pattern"),
+        (['train.pass_env=["$(id)"]'], "train.pass_env.0: String should match pattern"),
+        # A secret's value would be written into config.json and the manifest.
+        (['train.env={HF_TOKEN = "hf_x"}'], "train.env.HF_TOKEN: looks like a secret"),
+        (['train.env={aws_secret_access_key = "x"}'], "list aws_secret_access_key in train.pass_env instead"),
     ],
 )
 def test_bad_values_name_the_dotted_key(overrides, expected):
@@ -116,3 +122,14 @@ def test_every_field_is_documented():
         if not field.description
     ]
     assert undocumented == []
+
+
+def test_pass_env_takes_values_from_the_environment_and_names_one_that_is_unset(monkeypatch: pytest.MonkeyPatch):
+    cfg = load_config(None, ['train.pass_env=["PIPELINE_T1", "PIPELINE_T2"]'])
+    monkeypatch.setenv("PIPELINE_T1", "val-7f3a")
+    monkeypatch.delenv("PIPELINE_T2", raising=False)
+    with pytest.raises(PipelineError, match=r"^train\.pass_env: PIPELINE_T2 is not set in this environment$"):
+        cfg.train.passed_env()
+    monkeypatch.setenv("PIPELINE_T2", "two")
+    assert cfg.train.passed_env() == {"PIPELINE_T1": "val-7f3a", "PIPELINE_T2": "two"}
+    assert "val-7f3a" not in cfg.model_dump_json()  # only the names are config
