@@ -135,7 +135,7 @@ async def _deploy_local(cfg: Config, offer: HostRelease, log: Callable[[str], No
 def _fleet_body(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageResult:
     assert cfg.deploy.inventory is not None
     inventory = load_inventory(cfg.deploy.inventory)
-    builds = DeviceBuilds(cfg, run, inventory.policy.keep_releases, log)
+    builds = DeviceBuilds(cfg, run, inventory, log)
     releases = fleet_releases(run, builds)
     for key, variant in releases.variants.items():
         what = "ONNX only" if variant.engine_class is None else f"engine for {key}"
