@@ -10,8 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from pipeline import deploy
 from pipeline.cli import main
+from pipeline.config import BuildConfig, Config, DeployConfig
+from pipeline.errors import PipelineError
 from pipeline.manifest import RunDir
+from tests.deploy.test_device_build import ORIN107, ORIN_107
 from tests.deploy.test_fleet_ssh import ORIN, record_engine, results
 from tests.harness import AGX_ORIN_JP62, Board, TargetSpec, fixtures
 
@@ -67,3 +71,26 @@ def test_a_device_reporting_an_unusable_tensorrt_is_refused_alone(
     # The hostile text ran nowhere and named no file: not here, not on any device, not in the run.
     assert not Path("/tmp/pwned").exists() and all(not t.path("/tmp/pwned").exists() for t in fleet)
     assert not any("$" in path.name or "~" in path.name for path in run.path.rglob("*"))
+
+
+def test_a_fault_on_the_controllers_side_for_one_device_fails_that_device_alone(
+    jetson_fleet, make_run, onnx_models, tmp_path: Path
+):
+    """The run's engines/ holds a damaged build.json for the class only orin-107 needs: orin-107 is FAILED with the
+    one line naming the file, orin-01 goes ACTIVE, and results.json names both."""
+    fleet = jetson_fleet([TargetSpec("orin-01"), TargetSpec("orin-107", board=ORIN_107)])
+    run: RunDir = make_run("run-f", onnx_models[0])
+    record_engine(run)
+    damaged = run.path / f"engines/{ORIN107}"
+    damaged.mkdir(parents=True)
+    (damaged / "model.plan").write_bytes(b"")
+    (damaged / "build.json").write_text("[]")
+    cfg = Config(
+        build=BuildConfig(cache_dir=tmp_path / "engine-cache", timeout_s=60),
+        deploy=DeployConfig(inventory=fleet.write_inventory(policy={"canary": 0, "max_failure_pct": 100})),
+    )
+    with pytest.raises(PipelineError, match=r"1 of 2 targets not active: orin-107 \(FAILED: "):
+        deploy.run(cfg, run, log=lambda _: None)
+    rows = results(run)
+    assert rows["orin-01"]["status"] == "ACTIVE"
+    assert rows["orin-107"]["reason"] == f"{damaged}/build.json: not a JSON object (delete the entry)"
