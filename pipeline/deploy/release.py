@@ -100,6 +100,14 @@ def make_release(
     return release
 
 
+def engine_info(build_info: Path) -> dict[str, Any]:
+    """An engine's build.json, which must be a JSON object."""
+    info = read_json(build_info)
+    if not isinstance(info, dict):
+        raise PipelineError(f"{build_info}: not a JSON object (run `pipeline build` again)")
+    return info
+
+
 def model_classes(meta_path: Path) -> list[str]:
     """Class names from model.json: its top-level `classes`, or a `classes` one table down."""
     meta: Any = read_json(meta_path)
@@ -179,7 +187,7 @@ class Releases:
     def _variant(self, key: str, klass: str, engine: tuple[Path, Path] | None) -> Release:
         out = self.run.path / DEPLOY_DIR / "releases" / key
         release = make_release(self.run, engine, engine and klass, self.extra, out=out)
-        return replace(release, only_for=engine and private_to(read_json(engine[1])))
+        return replace(release, only_for=engine and private_to(engine_info(engine[1])))
 
     @property
     def bytes(self) -> int:

@@ -12,11 +12,12 @@ import pytest
 
 from pipeline import deploy, engines
 from pipeline.config import BuildConfig, Config, DeployConfig
+from pipeline.deploy.stage import fleet_releases
 from pipeline.errors import PipelineError
 from pipeline.manifest import RunDir
 from tests.deploy import test_device_build
 from tests.deploy.test_device_build import ORIN107, ORIN_107, answer_correctly, builds, running
-from tests.deploy.test_fleet_ssh import results
+from tests.deploy.test_fleet_ssh import ORIN, record_engine, results
 from tests.harness import JetsonFleet, JetsonTarget, TargetSpec, fixtures
 
 pytest.importorskip("asyncssh")
@@ -162,3 +163,11 @@ def test_a_device_cache_entry_naming_another_class_is_never_published(jetson_fle
     assert not (tmp_path / "engine-cache").exists()
     info = json.loads((target.disk / "current/engine.json").read_text())
     assert (info["class"], info["verified_by"], info["cache"]) == (ORIN107, None, "miss")
+
+
+def test_a_recorded_engine_whose_build_json_is_no_object_is_refused_before_any_device(make_run, onnx_models):
+    run = make_run("run-j", onnx_models[0])
+    record_engine(run)
+    (run.path / f"engines/{ORIN}/build.json").write_text("[]")
+    with pytest.raises(PipelineError, match=rf"engines/{ORIN}/build\.json: not a JSON object \(run `pipeline build`"):
+        fleet_releases(run)
