@@ -98,8 +98,8 @@ async def _check_on(peer: SshTarget, exe: str, job: Job, sample: Path, timeout_s
     try:
         async with Device(peer, command_timeout_s=timeout_s) as device:
             runner = Remote(device, exe)
-            await runner.open()
             try:
+                await _opened(runner)
                 await runner.put(job.staging / PLAN, PLAN)
                 if await runner.sha256(PLAN) != sha256:
                     raise CannotVerify("the engine it holds does not match the sha256 fetched from the builder")
@@ -108,6 +108,14 @@ async def _check_on(peer: SshTarget, exe: str, job: Job, sample: Path, timeout_s
                 await runner.close()
     except (*FAILURES, Refused) as err:
         raise CannotVerify(first_line(err, typed=True)) from None
+
+
+async def _opened(runner: Remote) -> None:
+    """The peer's work directory; a peer that cannot make one gives no verdict (it says nothing of the engine)."""
+    try:
+        await runner.open()
+    except PipelineError as err:
+        raise CannotVerify(str(err)) from None
 
 
 def vouched(info: dict[str, Any], verdict: tuple[str, dict[str, Any]] | None) -> dict[str, Any]:

@@ -171,3 +171,21 @@ def test_a_recorded_engine_whose_build_json_is_no_object_is_refused_before_any_d
     (run.path / f"engines/{ORIN}/build.json").write_text("[]")
     with pytest.raises(PipelineError, match=rf"engines/{ORIN}/build\.json: not a JSON object \(run `pipeline build`"):
         fleet_releases(run)
+
+
+def test_a_peer_that_cannot_verify_gives_no_verdict_and_blames_nobody(jetson_fleet, typed_run, tmp_path: Path):
+    """orin-b cannot make a work directory (its /tmp is read-only): it says nothing of orin-a's engine, which orin-a
+    then runs alone, unverified; orin-a is no suspect, and orin-b fails its own build on its own account."""
+    fleet = jetson_fleet([TargetSpec("orin-a", board=ORIN_107), TargetSpec("orin-b", board=ORIN_107)])
+    run = typed_run("run-n")
+    answer_correctly(fleet, run)
+    fleet["orin-b"].run("mount -o remount,ro /tmp")
+    lines: list[str] = []
+    with pytest.raises(PipelineError, match=r"1 of 2 targets not active: orin-b \(BUILD_FAILED: "):
+        deploy.run(config(fleet, tmp_path, canary=1, max_failure_pct=100), run, log=lines.append)
+    assert any(line.startswith("[peer] orin-b: cannot verify the engine built on orin-a: ") for line in lines)
+    rows = results(run)
+    assert rows["orin-a"]["status"] == "ACTIVE" and "cannot create a temp directory" in rows["orin-b"]["reason"]
+    info = json.loads((fleet["orin-a"].disk / "current/engine.json").read_text())
+    assert (info["built_by"], info["verified_by"], info["peer_check"]) == ("orin-a", None, "unverified by a peer")
+    assert not (tmp_path / "engine-cache").exists()
