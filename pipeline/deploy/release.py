@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from pipeline.deploy.result import REFUSED, Stop, TargetResult
 from pipeline.errors import PipelineError
 from pipeline.files import read_json, sha256_file, write_json, write_text
 from pipeline.fleet import upload
-from pipeline.fleet.classes import LOCAL, DeviceClass
+from pipeline.fleet.classes import LOCAL, checked
 from pipeline.fleet.names import safe_name
 from pipeline.fleet.probe import Facts
 from pipeline.fleet.ssh import Device
@@ -43,6 +43,7 @@ from pipeline.layout import (
     SAMPLE_NAME,
 )
 from pipeline.manifest import RunDir
+from pipeline.trt.peer import UNVERIFIED, private_to
 
 ID_HEX = 8
 """Hex digits of the SHA256SUMS digest in a release id (ids stay short enough for an 80-column status table)."""
@@ -61,6 +62,8 @@ class Release:
     plan: Bundle
     engine_class: str | None
     workdir: Path
+    only_for: str | None = None
+    """The one device that may run its engine (built there, verified by no second device); None: any of its class."""
 
     @property
     def id(self) -> str:
@@ -95,6 +98,14 @@ def make_release(
     release = Release(upload.bundle(release_id(run.path.name, digest), files, sha256), engine_class, out)
     write_json(out / "plan.json", plan_json(release))
     return release
+
+
+def engine_info(build_info: Path) -> dict[str, Any]:
+    """An engine's build.json, which must be a JSON object."""
+    info = read_json(build_info)
+    if not isinstance(info, dict):
+        raise PipelineError(f"{build_info}: not a JSON object (run `pipeline build` again)")
+    return info
 
 
 def model_classes(meta_path: Path) -> list[str]:
@@ -148,7 +159,7 @@ class HostRelease:
         """The one release, whatever the probe found."""
         return self.release
 
-    def device_class(self, facts: Facts) -> str:
+    def device_class(self, facts: Facts, target: str) -> str:
         """The class of the engine it carries; "local" (this host) when it carries none."""
         return self.release.engine_class or LOCAL
 
@@ -170,12 +181,13 @@ class Releases:
     ) -> None:
         self.run, self.extra, self.builds = run, extra, builds
         keys: dict[str, tuple[Path, Path] | None] = dict(engines) if engines else {"onnx": None}
-        self.variants = {key: self._variant(key, engine) for key, engine in keys.items()}
+        self.variants = {key: self._variant(key, key, engine) for key, engine in keys.items()}
         self._building: dict[str, asyncio.Lock] = {}
 
-    def _variant(self, key: str, engine: tuple[Path, Path] | None) -> Release:
+    def _variant(self, key: str, klass: str, engine: tuple[Path, Path] | None) -> Release:
         out = self.run.path / DEPLOY_DIR / "releases" / key
-        return make_release(self.run, engine, engine and key, self.extra, out=out)
+        release = make_release(self.run, engine, engine and klass, self.extra, out=out)
+        return replace(release, only_for=engine and private_to(engine_info(engine[1])))
 
     @property
     def bytes(self) -> int:
@@ -189,16 +201,21 @@ class Releases:
 
     async def for_device(self, host: Host, facts: Facts, row: TargetResult) -> Release:
         """The variant for a probed device. A device with TensorRT whose class has no engine gets one at install
-        time (the first device of a class builds it, the others wait for it); without TensorRT it gets ONNX only when
-        the run has no engines at all, else Stop(REFUSED)."""
-        klass = str(DeviceClass.probed(facts))
+        time (the first device of a class builds it, the others wait for it, and build their own when no second
+        device verified it); without TensorRT it gets ONNX only when the run has no engines at all, else
+        Stop(REFUSED), as when the engine is another device's alone."""
+        name = host.target.name
+        klass = self.device_class(facts, name)
         if klass in self.variants:
-            return self.variants[klass]
+            return _offered(self.variants[klass], klass, name)
         if self.builds is not None and facts.tensorrt and isinstance(host, Device):
             async with self._building.setdefault(klass, asyncio.Lock()):
                 if klass not in self.variants:
-                    self.variants[klass] = self._variant(klass, await self.builds.engine(host, facts, row))
-            return self.variants[klass]
+                    variant = self._variant(klass, klass, await self.builds.engine(host, facts, row))
+                    # An engine no peer verified is its builder's variant, under a name no other device looks up.
+                    self.variants[klass if variant.only_for is None else f"{klass}@{name}"] = variant
+                    return variant
+            return _offered(self.variants[klass], klass, name)
         if "onnx" in self.variants:
             return self.variants["onnx"]
         device = f"device is {klass} ({facts.model or 'unknown model'}"
@@ -209,13 +226,27 @@ class Releases:
         )
         raise Stop(REFUSED, f"engine built for {', '.join(sorted(self.variants))}, {why}")
 
-    def device_class(self, facts: Facts) -> str:
-        """The probed device's class."""
-        return str(DeviceClass.probed(facts))
+    def device_class(self, facts: Facts, target: str) -> str:
+        """The class of probed device `target`; Stop(REFUSED) when what it reported names none (classes.checked)."""
+        try:
+            return str(checked(facts, target))
+        except PipelineError as err:
+            raise Stop(REFUSED, str(err)) from None
 
     def summary(self) -> dict[str, Any]:
         """plan.json content: each variant's release id and files."""
         return {"variants": {key: plan_json(r) for key, r in self.variants.items()}}
+
+
+def _offered(variant: Release, klass: str, device: str) -> Release:
+    """`variant` for `device`; Stop(REFUSED) when its engine is another device's alone."""
+    if variant.only_for not in (None, device):
+        raise Stop(
+            REFUSED,
+            f"the {klass} engine was built on {variant.only_for} and is {UNVERIFIED}: only {variant.only_for} runs it "
+            "(build it again while another device of the class is reachable)",
+        )
+    return variant
 
 
 Offer = Releases | HostRelease

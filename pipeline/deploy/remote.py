@@ -36,6 +36,8 @@ from pipeline.deploy.result import (
     Stop,
     TargetResult,
 )
+from pipeline.errors import PipelineError
+from pipeline.files import first_line
 from pipeline.fleet import upload
 from pipeline.fleet.inventory import Policy, SshTarget
 from pipeline.fleet.names import SAFE_NAME
@@ -93,6 +95,8 @@ async def deploy(host: Host, offer: Offer, policy: Policy, log: Callable[[str], 
         row.status, row.reason = stop.status, stop.reason
     except Refused as err:
         row.status, row.reason = REFUSED, str(err)
+    except PipelineError as err:  # the controller's own step for this target: the other targets go on
+        row.status, row.reason = FAILED, first_line(err)
     except FAILURES as err:
         row.status = _PHASE_STATUS.get(step.name, FAILED)
         row.reason = f"{step.name}: {_describe(err, policy)}" + (
@@ -128,7 +132,8 @@ async def probe(host: Host) -> Facts:
 async def _deploy(host: Host, offer: Offer, policy: Policy, row: TargetResult, step: _Step) -> None:
     step.name = "probe"
     facts = await probe(host)
-    row.device_class, row.previous, row.current = offer.device_class(facts), facts.current, facts.current
+    row.previous, row.current = facts.current, facts.current
+    row.device_class = offer.device_class(facts, host.target.name)
     step.name = "build"
     release = await offer.for_device(host, facts, row)
     row.release = release.id

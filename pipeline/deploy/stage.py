@@ -17,11 +17,11 @@ from pipeline.config import Config
 from pipeline.deploy import remote
 from pipeline.deploy.device_build import DeviceBuilds
 from pipeline.deploy.hosts import LocalHost, local_spot
-from pipeline.deploy.release import HostRelease, Releases, make_release
+from pipeline.deploy.release import HostRelease, Releases, engine_info, make_release
 from pipeline.deploy.result import ACTIVE, UNREACHABLE, UPLOAD_FAILED, TargetResult, results_table
 from pipeline.deploy.rollout import rollout, waves
 from pipeline.errors import PipelineError, TransientError
-from pipeline.files import read_json, write_json
+from pipeline.files import write_json
 from pipeline.fleet.classes import host_class
 from pipeline.fleet.inventory import Policy, load_inventory
 from pipeline.layout import (
@@ -51,7 +51,7 @@ def run(cfg: Config, run: RunDir, log: Callable[[str], None] = print) -> StageRe
 def local_engine(run: RunDir) -> tuple[Path, Path] | None:
     """(model.plan, build.json) of the engine the build stage made for this host, None when it made none."""
     engine = recorded_engine(run)
-    if engine is None or host_class(str(read_json(engine[1]).get("class", ""))) is None:
+    if engine is None or host_class(str(engine_info(engine[1]).get("class", ""))) is None:
         return None
     return engine
 
@@ -83,7 +83,7 @@ def recorded_engines(run: RunDir) -> dict[str, tuple[Path, Path]]:
         if (klass := class_of_engine_key(key)) is not None
     }
     if not engines and (single := recorded_engine(run)) is not None:
-        engines[str(read_json(single[1]).get("class", "unknown"))] = single
+        engines[str(engine_info(single[1]).get("class", "unknown"))] = single
     for plan, info in engines.values():
         if not plan.is_file() or not info.is_file():
             raise PipelineError(
@@ -110,7 +110,7 @@ def local_release(run: RunDir) -> HostRelease:
     """The release for local targets: the run's files, this host's engine if the build stage made one, and the
     activation script."""
     engine = local_engine(run)
-    engine_class = engine and str(read_json(engine[1])["class"])
+    engine_class = engine and str(engine_info(engine[1])["class"])
     return HostRelease(make_release(run, engine, engine_class, {ACTIVATE: ACTIVATE_SCRIPT}))
 
 
@@ -135,7 +135,7 @@ async def _deploy_local(cfg: Config, offer: HostRelease, log: Callable[[str], No
 def _fleet_body(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageResult:
     assert cfg.deploy.inventory is not None
     inventory = load_inventory(cfg.deploy.inventory)
-    builds = DeviceBuilds(cfg, run, inventory.policy.keep_releases, log)
+    builds = DeviceBuilds(cfg, run, inventory, log)
     releases = fleet_releases(run, builds)
     for key, variant in releases.variants.items():
         what = "ONNX only" if variant.engine_class is None else f"engine for {key}"

@@ -1,6 +1,8 @@
 """The one build path: an engine per device class, from the engine cache when its key matches, else built by the
 class's builder (the Python API or trtexec here, trtexec on a device over SSH), verified where it was built, and
-published to `engines/<class>/` with its build.json (one set of fields for every class).
+published to `engines/<class>/` with its build.json (one set of fields for every class). An engine built on a device
+goes into the engine cache, and to the class's other devices, only once a second device of the class verified it
+(pipeline.trt.peer); without one it is that device's alone.
 
 This host is a device class too (`build_host`): its class, `local-<sm>-trt<version>`, is built by its own builder
 with a local runner, like a declared class with builder "python" or "trtexec". trtexec reports the GPU only while
@@ -29,9 +31,9 @@ from pipeline.engines import python_api
 from pipeline.engines.detect import Choice, Host, probe_host
 from pipeline.errors import PipelineError, TransientError
 from pipeline.files import first_line
-from pipeline.fleet.classes import DeviceClass
-from pipeline.fleet.inventory import SshTarget, load_inventory
-from pipeline.fleet.probe import SOCS, parse_facts, probe_script
+from pipeline.fleet.classes import DeviceClass, checked
+from pipeline.fleet.inventory import Inventory, SshTarget, load_inventory
+from pipeline.fleet.probe import Facts, parse_facts, probe_script
 from pipeline.fleet.ssh import FAILURES, Device, Refused
 from pipeline.host import python_api_problem
 from pipeline.layout import BUILD_INFO, ENGINES, PLAN, SAMPLE, engine_dir
@@ -40,6 +42,7 @@ from pipeline.trt import cache, engine_job, publish
 from pipeline.trt.built import Built
 from pipeline.trt.engine_job import Job
 from pipeline.trt.flags import Options, options_for
+from pipeline.trt.peer import UNVERIFIED, Peers, shared, vouched
 from pipeline.trt.profile import Profile
 from pipeline.trt.runners import Local, Remote, Runner
 from pipeline.trt.verify import same_version
@@ -86,7 +89,7 @@ def _build_or_reuse(ctx: Context, klass: BuildClass) -> dict[str, Any]:
     if klass.builder == "device":
         if not klass.target:
             raise NotBuilt("builder 'device' without a build target: the device builds it at install time")
-        return asyncio.run(_on_device(ctx, klass, _target(ctx.cfg, klass)))
+        return asyncio.run(_on_device(ctx, klass, *_fleet(ctx.cfg, klass)))
     host = probe_host(_choice(klass))
     version = _check_match(klass, host.tensorrt_version, host.sm, f"this host ({klass.builder})")
     return _here(ctx, klass, version, host.choice.trtexec)
@@ -134,7 +137,7 @@ def _here(
             checks = asyncio.run(_verify_python_api(ctx, job))
         if named_by_build:
             klass = _named_by(klass, built)
-        return _publish(ctx, klass, job, built, checks, seconds)
+        return _publish(ctx, klass, job, engine_job.build_info(job, klass, built, checks, seconds))
 
 
 async def _verified(ctx: Context, runner: Runner, job: Job) -> tuple[Built, dict[str, Any], float]:
@@ -159,13 +162,14 @@ def _named_by(klass: BuildClass, built: Built) -> BuildClass:
     return klass.model_copy(update={"name": name, "sm": sm or ""})
 
 
-async def _on_device(ctx: Context, klass: BuildClass, target: SshTarget) -> dict[str, Any]:
+async def _on_device(ctx: Context, klass: BuildClass, target: SshTarget, fleet: Inventory) -> dict[str, Any]:
+    """Build on `target`, then let another device of its class in `fleet` verify the engine (pipeline.trt.peer)."""
     options = options_for(ctx.cfg.build, klass)
     try:
         async with Device(target, command_timeout_s=ctx.cfg.build.timeout_s) as device:
             facts = parse_facts((await device.run(probe_script(target.root), timeout_s=30)).stdout)
-            sm = SOCS.get(facts.soc, ("", None))[1]
-            version = _check_match(klass, facts.tensorrt or None, sm, f"device {target.name}")
+            probed = _probed(facts, target.name)
+            version = _check_match(klass, facts.tensorrt or None, probed.sm or None, f"device {target.name}")
             hit = _reuse(ctx, klass, version, options)
             if hit is not None:
                 return hit
@@ -181,7 +185,10 @@ async def _on_device(ctx: Context, klass: BuildClass, target: SshTarget) -> dict
                     built, checks, seconds = await _verified(ctx, runner, job)
                 finally:
                     await runner.close()
-                return _publish(ctx, klass, job, built, checks, seconds)
+                info = engine_job.build_info(job, klass, built, checks, seconds)
+                peers = Peers(fleet.targets, build_cfg.timeout_s, fleet.policy.max_parallel, ctx.log)
+                verdict = await peers.verify(probed, target.name, klass.device_trtexec, job, run_path / SAMPLE)
+                return _publish(ctx, klass, job, vouched(info, verdict))
     except Refused as err:
         raise NotBuilt(f"device {target.name} refused: {err}") from None
     except FAILURES as err:
@@ -190,13 +197,22 @@ async def _on_device(ctx: Context, klass: BuildClass, target: SshTarget) -> dict
         raise TransientError(f"build device {target.name} unreachable: {why}") from None
 
 
-def _target(cfg: Config, klass: BuildClass) -> SshTarget:
+def _probed(facts: Facts, target: str) -> DeviceClass:
+    """The build device's class as probed; NotBuilt when what it reports names none."""
+    try:
+        return checked(facts, target)
+    except PipelineError as err:
+        raise NotBuilt(str(err)) from None
+
+
+def _fleet(cfg: Config, klass: BuildClass) -> tuple[SshTarget, Inventory]:
+    """The class's build target and the inventory (its peers among the devices)."""
     if cfg.deploy.inventory is None:
         raise PipelineError(f"build.classes: {klass.name}: target {klass.target!r} needs deploy.inventory")
     inventory = load_inventory(cfg.deploy.inventory)
     for target in inventory.targets:
         if target.name == klass.target:
-            return target
+            return target, inventory
     raise PipelineError(f"build.classes: {klass.name}: target {klass.target!r} is not in {cfg.deploy.inventory}")
 
 
@@ -217,15 +233,21 @@ def _staging(ctx: Context, klass: BuildClass) -> contextlib.AbstractContextManag
     return publish.staging(path, ctx.engines / klass.name / FAILED_LOG)
 
 
-def _publish(
-    ctx: Context, klass: BuildClass, job: Job, built: Built, checks: dict[str, Any], seconds: float
-) -> dict[str, Any]:
-    """Store the verified engine in the engine cache and move it into engines/<class>/ (build.json last)."""
-    info = engine_job.build_info(job, klass, built, checks, seconds)
+def _publish(ctx: Context, klass: BuildClass, job: Job, info: dict[str, Any]) -> dict[str, Any]:
+    """Move the verified engine into engines/<class>/ (build.json last), and into the engine cache unless a device
+    built it and no second device verified it (then only that device gets it: pipeline.trt.peer)."""
     dest = ctx.engines / klass.name
-    info = publish.publish_engine(job.staging, info, ctx.cfg.build.cache_dir, dest)
-    ctx.log(f"[build] {klass.name}: built ({(dest / PLAN).stat().st_size / 1e6:.2f} MB), cache miss")
+    cache_dir = ctx.cfg.build.cache_dir if shared(info) else None
+    info = publish.publish_engine(job.staging, info, cache_dir, dest)
+    ctx.log(f"[build] {klass.name}: built ({(dest / PLAN).stat().st_size / 1e6:.2f} MB), cache miss{_vouched_by(info)}")
     return _row(info, "built")
+
+
+def _vouched_by(info: dict[str, Any]) -> str:
+    """What the build line says of the engine's verifier."""
+    if shared(info):
+        return f", verified by {info['verified_by']}" if info.get("verified_by") else ""
+    return f", {UNVERIFIED}: only {info['built_by']} gets it, it is not cached"
 
 
 def _row(info: dict[str, Any], status: str) -> dict[str, Any]:
@@ -239,6 +261,8 @@ def _row(info: dict[str, Any], status: str) -> dict[str, Any]:
         "engine": f"{engine_dir(klass)}/{PLAN}",
         "build_info": f"{engine_dir(klass)}/{BUILD_INFO}",
         "verified": bool(info.get("verification", {}).get("loads")),
+        "built_by": info.get("built_by"),
+        "verified_by": info.get("verified_by"),
         "latency": info.get("latency", {}),
         "seconds": info.get("seconds"),
     }

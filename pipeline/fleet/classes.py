@@ -12,8 +12,6 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pydantic import ValidationError
-
 from pipeline.config import BuildClass
 from pipeline.errors import PipelineError
 from pipeline.files import first_line
@@ -26,6 +24,10 @@ LOCAL = "local"
 UNKNOWN = "unknown"
 """The family of a probed device whose SoC this pipeline does not know."""
 _NAME = re.compile(r"(?P<family>[A-Za-z0-9][A-Za-z0-9._-]*?)-(?P<sm>sm\d+|sm\?)-trt(?P<tensorrt>\d+(?:\.\d+)*|\?)")
+_VERSION = re.compile(r"\d+\.\d+(?:\.\d+)?")
+"""A TensorRT version a class can carry: the form [[build.classes]] takes and the probe reduces a package to."""
+QUOTED_CHARS = 40
+"""Characters of a device-reported value a message quotes (a device may report anything, 500 characters too)."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,24 @@ class DeviceClass:
         return cls(match["family"], "" if sm == "sm?" else sm, "" if tensorrt == "?" else tensorrt)
 
 
+def quoted(value: str) -> str:
+    """A value a device reported, fit for a one-line message: its repr (no control character, newline or bare quote
+    gets through) of at most QUOTED_CHARS characters."""
+    return repr(value if len(value) <= QUOTED_CHARS else value[:QUOTED_CHARS] + "...")
+
+
+def checked(facts: Facts, target: str) -> DeviceClass:
+    """The probed device's class, only when what it reported can name one: a PipelineError naming `target` when its
+    TensorRT version is not plain numbers (a prerelease like 10.3.0~rc1, `$(id)`, any other text), which then never
+    becomes part of a class name, a directory name or a command."""
+    if facts.tensorrt and not _VERSION.fullmatch(facts.tensorrt):
+        raise PipelineError(
+            f"{target}: reports TensorRT {quoted(facts.tensorrt)}, not a version this pipeline can use "
+            "(<major>.<minor>[.<patch>])"
+        )
+    return DeviceClass.probed(facts)
+
+
 def host_class(name: str) -> DeviceClass | None:
     """The class `name` names when it is this host's (`local`, `local-<sm>-trt<version>`), else None: a probed
     device's, or a declared class's (declared names need not be device class names at all)."""
@@ -88,17 +108,11 @@ def from_facts(facts: Facts, target: str) -> BuildClass:
     if not facts.tensorrt:
         raise PipelineError(f"{target}: the probe found no TensorRT package (tensorrt, libnvinfer8/10)")
     if facts.soc not in SOCS:
-        raise PipelineError(f"{target}: unknown SoC {facts.soc or '(none)'!r} ({facts.model or 'unknown model'})")
-    klass = DeviceClass.probed(facts)
-    try:
-        return BuildClass(
-            name=str(klass), tensorrt=facts.tensorrt, sm=klass.sm, l4t=facts.l4t, builder="device", target=target
-        )
-    except ValidationError as err:  # what a device reports is input too: a version like 10.3.0~rc1
-        field = ".".join(str(part) for part in err.errors()[0]["loc"])
-        raise PipelineError(
-            f"{target}: reports a {field} this pipeline cannot use: {err.errors()[0]['input']!r}"
-        ) from None
+        raise PipelineError(f"{target}: unknown SoC {quoted(facts.soc or '(none)')} ({quoted(facts.model or '?')})")
+    klass = checked(facts, target)
+    return BuildClass(
+        name=str(klass), tensorrt=facts.tensorrt, sm=klass.sm, l4t=facts.l4t, builder="device", target=target
+    )
 
 
 async def probe_target(target: SshTarget) -> Facts:

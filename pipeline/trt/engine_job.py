@@ -28,6 +28,8 @@ from pipeline.trt.trtexec import last_error, parse_sm, parse_version
 
 CACHE = "timing.cache"
 LOG = "trtexec.log"
+HERE = "this host"
+"""build.json's `built_by` and `verified_by` for this controller."""
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,9 @@ def build_info(job: Job, klass: BuildClass, built: Built, checks: dict[str, Any]
         "class": klass.name,
         "builder": klass.builder,
         "target": klass.target or None,
+        "built_by": klass.target or HERE,
+        "verified_by": _verifier(klass, checks),
+        "peer_check": None,
         "tensorrt_version": built.tensorrt_version or job.version,
         "sm": klass.sm or built.sm,
         "l4t": klass.l4t or None,
@@ -178,3 +183,9 @@ def build_info(job: Job, klass: BuildClass, built: Built, checks: dict[str, Any]
         "verification": checks,
         "latency": checks.get("latency", {}),
     }
+
+
+def _verifier(klass: BuildClass, checks: dict[str, Any]) -> str | None:
+    """Who vouches for the engine to others: this host's own check, never the device that built it (a second device
+    of its class may: pipeline.trt.peer)."""
+    return HERE if klass.builder != "device" and checks.get("loads") else None

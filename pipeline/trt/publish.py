@@ -18,6 +18,7 @@ from pipeline.files import atomic_path, publish, read_json, write_json
 from pipeline.layout import BUILD_INFO, PLAN
 from pipeline.trt import cache
 from pipeline.trt.engine_job import CACHE, LOG
+from pipeline.trt.peer import shared
 
 
 @contextlib.contextmanager
@@ -45,14 +46,16 @@ def staging(path: Path, failed_log: Path) -> Iterator[Path]:
 
 
 def publish_engine(
-    staging: Path, info: dict[str, Any], cache_dir: Path, dest: Path, status: str = "miss"
+    staging: Path, info: dict[str, Any], cache_dir: Path | None, dest: Path, status: str = "miss"
 ) -> dict[str, Any]:
-    """Store the verified engine in `staging` (build.json `info`) in the engine cache and move it into `dest`
-    (build.json last); returns build.json as published, its `cache` set to `status` (a fresh build: "miss")."""
+    """Store the verified engine in `staging` (build.json `info`) in the engine cache (unless `cache_dir` is None: an
+    engine no peer verified) and move it into `dest` (build.json last); returns build.json as published, its `cache`
+    set to `status` (a fresh build: "miss")."""
     write_json(staging / BUILD_INFO, info)
     files = {PLAN: staging / PLAN, BUILD_INFO: staging / BUILD_INFO}
-    cache.store(cache_dir, info["class"], info["cache_key"], files)
-    cache.keep_timing_cache(staging / CACHE, cache_dir, info["class"])
+    if cache_dir is not None:
+        cache.store(cache_dir, info["class"], info["cache_key"], files)
+        cache.keep_timing_cache(staging / CACHE, cache_dir, info["class"])
     dest.mkdir(parents=True, exist_ok=True)
     for src, name in ((PLAN, PLAN), (CACHE, CACHE), (LOG, "build.log")):
         if (staging / src).is_file():
@@ -64,12 +67,13 @@ def publish_engine(
 
 def from_cache(cache_dir: Path, klass: str, key: str, dest: Path, verified: bool) -> dict[str, Any] | None:
     """Copy the engine cache's entry for (`klass`, `key`) into `dest` and return its build.json (`cache`: "hit");
-    None on a miss, or when `verified` asks for a verified engine and the entry was built without verification."""
+    None on a miss, when `verified` asks for a verified engine and the entry was built without verification, or when
+    a device built it and no second device verified it (an entry an older version stored)."""
     entry = cache.lookup(cache_dir, klass, key)
     if entry is None:
         return None
     info = {**read_info(entry), "cache": "hit"}
-    if verified and not info.get("verification", {}).get("loads"):
+    if (verified and not info.get("verification", {}).get("loads")) or not shared(info):
         return None
     dest.mkdir(parents=True, exist_ok=True)
     with atomic_path(dest / PLAN) as tmp:

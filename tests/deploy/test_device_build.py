@@ -158,7 +158,8 @@ def test_a_fleet_of_four_versions_every_device_gets_a_working_engine(jetson_flee
         for path in sorted(gone.rglob("*"), reverse=True):
             path.unlink() if path.is_file() else path.rmdir()
     deploy.run(cfg, run, **QUIET)
-    assert json.loads((built / "build.json").read_text())["cache"] == "device"
+    info = json.loads((built / "build.json").read_text())
+    assert (info["cache"], info["built_by"], info["verified_by"]) == ("device", "orin-107a", "orin-107b")
     assert len(builds(fleet["orin-107a"])) == 1 and builds(fleet["orin-107b"]) == []
     assert {r["status"] for r in results(run).values()} == {"ACTIVE"}
 

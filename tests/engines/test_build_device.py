@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -63,14 +64,21 @@ def test_fleet_classes_are_built_on_their_devices(make_run: MakeRun, jetson_flee
         assert fleet[target].run("ls /tmp", check=False).stdout.strip() == ""  # the work directory is gone
     assert "--skipInference" in read_plan((run.path / f"engines/{ORIN}/model.plan").read_bytes())[1]["argv"]
     assert "--buildOnly" in read_plan((run.path / f"engines/{XAVIER}/model.plan").read_bytes())[1]["argv"]
-    assert fleet["orin-02"].standins.calls("trtexec") == []  # one build per class, on the first device
+    # One build per class, on the first device; the class's second device loads it to verify it.
+    assert not any(a.startswith("--onnx=") for argv in fleet["orin-02"].standins.calls("trtexec") for a in argv)
+    assert any("--exportOutput=" in " ".join(argv) for argv in fleet["orin-02"].standins.calls("trtexec"))
     assert not any("--getPlanVersionOnly" in argv for argv in fleet["xavier-01"].standins.calls("trtexec"))
-    orin = result.metrics["classes"][ORIN]
+    orin, xavier = result.metrics["classes"][ORIN], result.metrics["classes"][XAVIER]
     assert orin["verified"] and orin["latency"]["median_ms"] == 1.22 and orin["latency"]["throughput_qps"] == 812.4
+    assert (orin["built_by"], orin["verified_by"]) == ("orin-01", "orin-02")
+    assert (xavier["built_by"], xavier["verified_by"]) == ("xavier-01", None)  # alone in its class
+    assert json.loads((run.path / f"engines/{XAVIER}/build.json").read_text())["peer_check"] == "unverified by a peer"
+    assert list((tmp_path / "cache").glob(f"{ORIN}/*/model.plan")) and not (tmp_path / "cache" / XAVIER).exists()
 
     builds = len(fleet["orin-01"].standins.calls("trtexec"))
     again = engines.run(cfg, run, **QUIET)
-    assert again.metrics["cache_hits"] == 2 and len(fleet["orin-01"].standins.calls("trtexec")) == builds
+    assert again.metrics["cache_hits"] == 1 and len(fleet["orin-01"].standins.calls("trtexec")) == builds
+    assert again.metrics["classes"][XAVIER]["status"] == "built"  # no shared cache entry: built again
 
     fleet["orin-01"].standins.set_trtexec(
         build_exit=1, error="Error[2]: Requested amount of GPU memory could not be allocated"
@@ -102,8 +110,14 @@ def test_an_unreachable_build_device_is_transient(make_run: MakeRun, tmp_path: P
 
 
 def test_a_device_reporting_facts_no_class_can_hold_is_left_out_not_fatal():
-    """A prerelease TensorRT (`10.3.0~rc1`) or an unknown SoC is one line naming the device, never a traceback."""
-    with pytest.raises(PipelineError, match=r"orin-01: reports a \w+ this pipeline cannot use: '.*10\.3\.0~rc1'"):
+    """A prerelease TensorRT (`10.3.0~rc1`), a hostile one or an unknown SoC is one line naming the device, quoting
+    at most 40 characters of what it reported, never a traceback."""
+    with pytest.raises(PipelineError, match=r"^orin-01: reports TensorRT '10\.3\.0~rc1', not a version this pipeline"):
         from_facts(Facts(soc="nvidia,tegra234", tensorrt="10.3.0~rc1"), "orin-01")
-    with pytest.raises(PipelineError, match=r"cam-07: unknown SoC 'nvidia,tegra999' \(Jetson Next\)"):
+    for hostile in ("$(id)", "1" * 500 + "\n\x1b[2J"):
+        with pytest.raises(PipelineError, match=r"^orin-01: reports TensorRT ") as err:
+            from_facts(Facts(soc="nvidia,tegra234", tensorrt=hostile), "orin-01")
+        assert repr(hostile[:40] + ("..." if len(hostile) > 40 else "")) in str(err.value)
+        assert len(str(err.value)) < 160 and "\n" not in str(err.value) and "\x1b" not in str(err.value)
+    with pytest.raises(PipelineError, match=r"cam-07: unknown SoC 'nvidia,tegra999' \('Jetson Next'\)"):
         from_facts(Facts(model="Jetson Next", soc="nvidia,tegra999", tensorrt="10.3.0"), "cam-07")

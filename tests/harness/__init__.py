@@ -24,11 +24,12 @@ namespaces (``unshare --mount --uts --pid --fork --kill-child --mount-proc``). I
   - ``trtexec --onnx=F --saveEngine=E [--timingCacheFile=T ...]`` prints "&&&& RUNNING TensorRT.trtexec
     [TensorRT v100300] # <argv>" and "&&&& PASSED ...", and writes an engine whose header carries the TensorRT
     version (``read_plan(bytes)`` -> (version, {onnx_sha256, soc, hostname, argv}); ``make_plan`` fabricates
-    one). ``--loadEngine=E`` fails like TensorRT on a version or SoC mismatch; ``--getPlanVersionOnly
-    --loadEngine=E`` prints "Plan was created with TensorRT version X"; an option its TensorRT version lacks
-    (docs/tensorrt.md's matrix) fails as "Unknown option". Knobs: ``set_trtexec(build_exit=1, load_exit=1,
-    delay_s=2.0, engine_bytes=..., version=..., error="out of memory", outputs={"logits": [[...]]})`` (``outputs``:
-    what a load writes to ``--exportOutput``; nothing by default, as the stand-in runs no model);
+    one). ``--loadEngine=E`` fails like TensorRT on a version or SoC mismatch, or on a plan longer or shorter than
+    its header says; ``--getPlanVersionOnly --loadEngine=E`` prints "Plan was created with TensorRT version X"; an
+    option its TensorRT version lacks (docs/tensorrt.md's matrix) fails as "Unknown option". Knobs:
+    ``set_trtexec(build_exit=1, load_exit=1, delay_s=2.0, engine_bytes=..., version=..., error="out of memory",
+    outputs={"logits": [[...]]})`` (``outputs``: what a load writes to ``--exportOutput``; nothing by default, as the
+    stand-in runs no model);
   - ``systemctl restart|start|stop|is-active|status UNIT``: unknown units fail as systemd does ("Unit X not
     found", exit 5); ``set_unit("edge.service", restart_exit=1)`` makes restart fail, ``healthy=False`` makes it
     succeed and is-active then say "failed" (exit 3). Unit states reset at each boot.

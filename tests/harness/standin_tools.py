@@ -124,10 +124,12 @@ def refusal(options: dict[str, str], version: str) -> str | None:
 
 
 def make_plan(version: str, meta: dict[str, Any], size: int) -> bytes:
-    """Bytes of a stand-in engine: a plan-like header, a marker, JSON metadata, zero padding up to `size`."""
-    header = PLAN_TAG + struct.pack("<I", 0) + bytes(16) + bytes(version_tuple(version))
-    body = header + PLAN_MARK + json.dumps(meta, sort_keys=True).encode() + b"\n"
-    return body + bytes(max(0, size - len(body)))
+    """Bytes of a stand-in engine: a plan-like header (with the plan's whole length, which a load checks as
+    TensorRT's deserializer checks the size its header records), a marker, JSON metadata, zero padding up to `size`."""
+    tail = PLAN_MARK + json.dumps(meta, sort_keys=True).encode() + b"\n"
+    length = max(size, PLAN_HEADER + len(tail))
+    header = PLAN_TAG + struct.pack("<IQ", 0, length) + bytes(8) + bytes(version_tuple(version))
+    return header + tail + bytes(length - PLAN_HEADER - len(tail))
 
 
 def read_plan(data: bytes) -> tuple[str, dict[str, Any]] | None:
@@ -209,6 +211,10 @@ def _load(options: dict[str, str], knobs: dict[str, Any]) -> int:
     if "getPlanVersionOnly" in options:
         say("I", f"Plan was created with TensorRT version {built_with}")
         return 0
+    recorded = struct.unpack_from("<Q", data, 8)[0]
+    if recorded != len(data):
+        say("E", f"STAND-IN: Serialization failed: the plan is {len(data)} bytes, its header says {recorded}")
+        return 1
     time.sleep(float(knobs["delay_s"]))
     if version_tuple(built_with)[:3] != version_tuple(str(knobs["version"]))[:3]:
         say(
