@@ -17,8 +17,8 @@ import asyncssh
 from pipeline import layout
 from pipeline.errors import PipelineError
 from pipeline.fleet import upload
-from pipeline.fleet.ssh import FAILURES, Device
-from pipeline.train.cluster import NodeCheck, nodedata
+from pipeline.fleet.ssh import FAILURES, Device, Refused
+from pipeline.train.cluster import NodeCheck, nodedata, refusal
 from pipeline.train.rank import checkpoint
 
 STOP_WAIT_S = 20.0
@@ -39,7 +39,10 @@ class Node:
     async def connect(cls, check: NodeCheck, key: str) -> Node:
         """Open the device's connection; its run directory is named `key` (the job's, the same on every device)."""
         target = check.target
-        dev = await Device(target, command_timeout_s=300).__aenter__()
+        try:
+            dev = await Device(target, command_timeout_s=300).__aenter__()
+        except Refused as err:
+            raise refusal(target, err) from None
         return cls(check, dev, f"{target.root}/train/runs/{key}")
 
     @property

@@ -27,6 +27,7 @@ from typing import Any
 from pipeline import data
 from pipeline.config import Config, DataConfig
 from pipeline.errors import PipelineError
+from pipeline.files import parse_json
 from pipeline.fleet import upload
 from pipeline.fleet.inventory import SshTarget
 from pipeline.fleet.ssh import Device
@@ -142,7 +143,7 @@ async def report(dev: Device, cfg: DataConfig, python_path: str) -> NodeData:
     lines = [line for line in out.stdout.splitlines() if line.startswith("NODEDATA ")]
     if not lines:
         raise PipelineError(f"{target.name}: cannot read its data.path: {out.tail()}")
-    found: dict[str, Any] = json.loads(lines[-1].removeprefix("NODEDATA "))
+    found: dict[str, Any] = parse_json(lines[-1].removeprefix("NODEDATA "), f"{target.name}: its data report")
     if "error" in found:
         raise PipelineError(f"{target.name}: {found['error']}")
     return NodeData(**found)

@@ -1,0 +1,112 @@
+"""Faults on the cluster path that used to end in a traceback, replayed against stand-in Jetsons (tests/harness): a
+controller key the device cannot be logged in to with, a device whose disk cannot take what training sends it, and
+an image folder holding symbolic links."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import asyncssh
+import pytest
+
+from pipeline import layout
+from pipeline.config import load_config
+from pipeline.errors import PipelineError
+from pipeline.fleet.inventory import SshTarget, load_inventory
+from pipeline.fleet.ssh import Device
+from pipeline.train.cluster import NodeCheck, nodedata
+from pipeline.train.cluster.node import Node
+from pipeline.train.cluster.rounds import _node_data
+from tests.train.cluster.test_cluster import (
+    forwarding,
+    inventory,
+    jetson_fleet,
+    marked_processes,
+    run_cli,
+    start_cluster,
+)
+
+__all__ = ["forwarding", "jetson_fleet"]  # fixtures, used by name
+
+FAST = ("--set", "train.epochs=1", "--set", "data.source=imagefolder", "--set", "data.image_size=16")
+
+
+def bad_keys(where: Path) -> tuple[Path, Path]:
+    """A garbage private key file and a passphrase-protected one (the controller has no passphrase to give)."""
+    garbage, encrypted = where / "id_garbage", where / "id_encrypted"
+    garbage.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\nnot a key\n-----END OPENSSH PRIVATE KEY-----\n")
+    # PKCS#8: OpenSSH's own encrypted format needs bcrypt, which this venv lacks (asyncssh refuses both alike).
+    asyncssh.generate_private_key("ssh-ed25519").write_private_key(
+        str(encrypted), format_name="pkcs8-pem", passphrase="secret"
+    )
+    for key in (garbage, encrypted):
+        key.chmod(0o600)
+    return garbage, encrypted
+
+
+def assert_one_line(out: subprocess.CompletedProcess[str], pattern: str) -> None:
+    """Exit 2, and stderr is one line matching `pattern` (no traceback)."""
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
+    assert re.match(pattern, lines[0]), lines[0]
+
+
+def test_an_unusable_client_key_is_a_refused_row_and_one_line(jetson_fleet, forwarding, tmp_path: Path) -> None:
+    fleet = start_cluster(jetson_fleet, 2)
+    garbage, encrypted = bad_keys(tmp_path)
+    inv = inventory(fleet, tmp_path / "keys.toml", node_1={"key": str(garbage)}, node_2={"key": str(encrypted)})
+    out = run_cli("cluster", "check", "--inventory", str(inv), "--json", cwd=tmp_path)
+    assert_one_line(out, rf"error: node-1: refused: key {garbage}: not a usable private key")
+    rows = {row["target"]: row for row in json.loads(out.stdout)}
+    assert [row["status"] for row in rows.values()] == ["refused", "refused"]
+    assert rows["node-1"]["reason"].startswith(f"key {garbage}: not a usable private key")
+    assert rows["node-2"]["reason"].startswith(f"key {encrypted}: not a usable private key")
+
+    run_dir = tmp_path / "run"
+    out = run_cli("train", "--inventory", str(inv), "--run-dir", str(run_dir), cwd=tmp_path)
+    assert_one_line(out, rf"error: node-1: refused: key {garbage}: not a usable private key")
+    assert not (run_dir / layout.TRAIN_DIR).exists()
+    assert marked_processes(fleet) == []
+
+
+def test_opening_a_device_later_with_an_unusable_key_is_one_line(tmp_path: Path) -> None:
+    """The job's own connections (its devices, their node-local data) refuse such a key as the check does: the key
+    is read before any connection, so no device is needed."""
+    known_hosts = tmp_path / "known_hosts"
+    known_hosts.write_text("")
+    for key in bad_keys(tmp_path):
+        target = SshTarget(name="node-9", host="127.0.0.1", port=9, key=key, known_hosts=known_hosts)
+        expected = rf"^node-9: refused: key {key}: not a usable private key"
+        with pytest.raises(PipelineError, match=expected):
+            asyncio.run(Node.connect(NodeCheck(target), "run-key"))
+        with pytest.raises(PipelineError, match=expected):
+            asyncio.run(_node_data([target], load_config(), "code-id"))
+
+
+def test_a_device_report_nested_too_deeply_is_one_line(jetson_fleet, forwarding, tmp_path: Path) -> None:
+    """The device check's and the data report's JSON, read from the device's output, as a device that misbehaves
+    could print them: a refused row and one line, as for malformed input anywhere else."""
+    fleet = start_cluster(jetson_fleet, 1)
+    device = fleet["node-1"]
+    (device.disk / "deep.json").write_text("[" * 5000 + "]" * 5000)
+    (device.disk / "python").write_text(
+        "#!/bin/sh\nprintf 'DEVICECHECK '; cat /opt/edge/deep.json; printf '\\nNODEDATA '; cat /opt/edge/deep.json\n"
+    )
+    (device.disk / "python").chmod(0o755)
+    inv = inventory(fleet, tmp_path / "deep.toml", node_1={"python": "/opt/edge/python"})
+    out = run_cli("cluster", "check", "--inventory", str(inv), "--json", cwd=tmp_path)
+    deep = "corrupt JSON: lists or tables nested too deeply to read"
+    assert_one_line(out, rf"error: node-1: refused: its device check: {deep}$")
+    (row,) = json.loads(out.stdout)
+    assert row["status"] == "refused" and row["reason"] == f"its device check: {deep}"
+
+    async def data_report() -> None:
+        async with Device(load_inventory(inv).targets[0]) as dev:
+            await nodedata.report(dev, load_config().data, "unused")
+
+    with pytest.raises(PipelineError, match=rf"^node-1: its data report: {deep}$"):
+        asyncio.run(data_report())
