@@ -11,16 +11,20 @@ import subprocess
 from pathlib import Path
 
 import asyncssh
+import numpy as np
 import pytest
+from PIL import Image
 
 from pipeline import layout
 from pipeline.config import load_config
 from pipeline.errors import PipelineError
+from pipeline.files import read_json
 from pipeline.fleet.inventory import SshTarget, load_inventory
 from pipeline.fleet.ssh import Device
 from pipeline.train.cluster import NodeCheck, nodedata
 from pipeline.train.cluster.node import Node
 from pipeline.train.cluster.rounds import _node_data
+from tests import photos
 from tests.train.cluster.test_cluster import (
     forwarding,
     inventory,
@@ -110,3 +114,50 @@ def test_a_device_report_nested_too_deeply_is_one_line(jetson_fleet, forwarding,
 
     with pytest.raises(PipelineError, match=rf"^node-1: its data report: {deep}$"):
         asyncio.run(data_report())
+
+
+def folder_too_big_for(tmp_path: Path) -> Path:
+    """The sample tiles and a 4 MB image (noise does not compress): more than a 1 MB disk holds."""
+    folder = photos.sample_tiles(tmp_path / "photos")
+    noise = np.random.default_rng(0).integers(0, 256, (1200, 1200, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(folder / "china" / "noise.png")
+    return folder
+
+
+def train_args(folder: Path, devices: str) -> tuple[str, ...]:
+    """`pipeline train` options: send `folder` to the devices, which `devices` (train.devices) says how many need."""
+    data = ("--set", f"data.path={json.dumps(str(folder))}", "--set", "data.sync=true")
+    return (*data, "--set", f"train.devices={json.dumps(devices)}", *FAST)
+
+
+@pytest.mark.slow  # a cluster run
+def test_a_device_whose_disk_cannot_take_the_data_leaves_and_the_other_trains(
+    jetson_fleet, forwarding, tmp_path: Path
+) -> None:
+    fleet = start_cluster(jetson_fleet, 2)
+    fleet["node-2"].resize_disk("1m")  # the code (~250 kB) fits, the data does not
+    run_dir = tmp_path / "run"
+    out = run_cli("train", "--inventory", str(inventory(fleet)), "--run-dir", str(run_dir),
+                  *train_args(folder_too_big_for(tmp_path), "1:2"), cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "[controller] node-2: cannot prepare its run directory: " in out.stderr
+    summary = read_json(run_dir / layout.SUMMARY)
+    assert summary["nodes"] == ["node-1"] and summary["world_size"] == 1
+    assert summary["events"][0]["event"] == "left" and summary["events"][0]["node"] == "node-2"
+    assert marked_processes(fleet) == []
+
+
+def test_a_device_needed_whose_disk_cannot_take_the_data_is_one_line(jetson_fleet, forwarding, tmp_path: Path) -> None:
+    fleet = start_cluster(jetson_fleet, 2)
+    fleet["node-2"].resize_disk("1m")
+    run_dir = tmp_path / "run"
+    out = run_cli("train", "--inventory", str(inventory(fleet)), "--run-dir", str(run_dir),
+                  *train_args(folder_too_big_for(tmp_path), "2"), cwd=tmp_path)  # fmt: skip
+    assert_one_line(
+        out,
+        r"error: train: node-2: cannot prepare its run directory: SFTPFailure: Failure \(0\.\d MB free on the "
+        r"device.s /opt/edge\); 1 devices remain, "
+        r"below train.devices' minimum 2$",
+    )
+    assert not (run_dir / layout.SUMMARY).exists()
+    assert marked_processes(fleet) == []
