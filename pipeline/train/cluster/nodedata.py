@@ -74,7 +74,8 @@ def dataset_bundle(cfg: DataConfig, workdir: Path) -> upload.Bundle:
     for path, _ in items:
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
         index[path.relative_to(cfg.path).as_posix()] = digest
-        files.setdefault(digest, path)
+        # The link's file, not the link: an SFTP upload copies a symbolic link as a link, to a path the device lacks.
+        files.setdefault(digest, path.resolve())
     text = json.dumps(index, sort_keys=True, indent=0)
     bundle_id = "data-" + hashlib.sha256(text.encode()).hexdigest()[:20]
     (workdir / INDEX).write_text(text)

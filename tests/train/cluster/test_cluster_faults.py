@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline import layout
+from pipeline import data, layout
 from pipeline.config import load_config
 from pipeline.errors import PipelineError
 from pipeline.files import read_json
@@ -161,3 +161,49 @@ def test_a_device_needed_whose_disk_cannot_take_the_data_is_one_line(jetson_flee
     )
     assert not (run_dir / layout.SUMMARY).exists()
     assert marked_processes(fleet) == []
+
+
+def linked_folder(tmp_path: Path) -> tuple[Path, Path]:
+    """Sample tiles plus three links in china/: to an image outside the folder (bytes no other image has), to one
+    beside it (relative), and to a directory named as an image. Returns the folder and the outside image."""
+    folder = photos.sample_tiles(tmp_path / "photos")
+    outside = tmp_path / "elsewhere"
+    (outside / "album.png").mkdir(parents=True)
+    image = outside / "outside.png"
+    image.write_bytes((folder / "china" / "00.png").read_bytes() + b"\0" * 100)
+    (folder / "china" / "linked.png").symlink_to(image)
+    (folder / "china" / "relative.png").symlink_to("01.jpg")
+    (folder / "china" / "album.png").symlink_to(outside / "album.png")
+    return folder, image
+
+
+@pytest.mark.slow  # a cluster run
+def test_linked_images_are_sent_as_the_files_they_lead_to(jetson_fleet, forwarding, tmp_path: Path) -> None:
+    """A file link is read through, wherever it leads, as a run on this machine reads it; the device gets the file
+    (an SFTP upload of the link itself made a link there to a path it lacks: a checksum mismatch naming a hash)."""
+    fleet = start_cluster(jetson_fleet, 1)
+    folder, image = linked_folder(tmp_path)
+    run_dir = tmp_path / "run"
+    out = run_cli("train", "--inventory", str(inventory(fleet)), "--run-dir", str(run_dir),
+                  *train_args(folder, "1"), cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    tree = fleet["node-1"].disk / "train/data/sets" / read_json(run_dir / layout.SUMMARY)["data"]["id"]
+    assert (tree / "china/linked.png").read_bytes() == image.read_bytes()
+    assert (tree / "china/relative.png").read_bytes() == (folder / "china/01.jpg").read_bytes()
+    assert not (tree / "china/album.png").exists()  # a directory, not an image
+    assert not any(p.is_symlink() for p in tree.rglob("*"))
+
+
+def test_a_link_that_leads_nowhere_is_one_line_naming_it(tmp_path: Path) -> None:
+    """The fingerprint stat()ed it (a FileNotFoundError traceback) where the class listing skipped it in silence."""
+    folder, _ = linked_folder(tmp_path)
+    dangling = folder / "flower" / "gone.png"
+    dangling.symlink_to(tmp_path / "deleted.png")
+    expected = f"data.path: {dangling}: a symbolic link to {tmp_path / 'deleted.png'}, which does not exist"
+    cfg = load_config(None, ["data.source=imagefolder", f"data.path={json.dumps(str(folder))}"]).data
+    for read in (lambda: data.fingerprint(cfg), lambda: data.class_files(folder), lambda: data.check_source(cfg)):
+        with pytest.raises(PipelineError, match=f"^{re.escape(expected)}$"):
+            read()
+    run_dir = tmp_path / "run"
+    args = ("--set", "data.source=imagefolder", "--set", f"data.path={json.dumps(str(folder))}")
+    assert_one_line(run_cli("train", "--run-dir", str(run_dir), *args, cwd=tmp_path), f"error: {re.escape(expected)}$")
