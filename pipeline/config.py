@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline.errors import PipelineError
+from pipeline.files import TOO_DEEP
 
 if sys.version_info >= (3, 11):  # noqa: UP036 -- the package needs 3.11; the device side runs on 3.10
     import tomllib
@@ -465,6 +466,9 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw
+    except RecursionError:
+        # Not kept as a string: a string-valued key would take the brackets as its value without a word.
+        raise PipelineError(f"--set {key.strip()}: {TOO_DEEP}") from None
     return key.strip().split("."), value
 
 
@@ -546,6 +550,8 @@ def read_toml(path: Path, what: str = "config") -> dict[str, Any]:
         raise PipelineError(f"{path}: {what} file not found") from None
     except tomllib.TOMLDecodeError as err:
         raise PipelineError(f"{path}: invalid TOML: {err}") from None
+    except RecursionError:
+        raise PipelineError(f"{path}: invalid TOML: {TOO_DEEP}") from None
     except (IsADirectoryError, UnicodeDecodeError) as err:
         raise PipelineError(f"{path}: cannot read {what}: {err}") from None
 

@@ -176,14 +176,22 @@ class ImageFiles(Dataset):
         return self.transform(open_image(path, self.channels)), label
 
 
+def _image_paths(folder: Path) -> list[Path]:
+    """Every path under `folder` named as an image, sorted. Symbolic links count as what they lead to (a file is read
+    through its link, wherever it lies, as by everything else that opens it); one that leads nowhere is one line
+    naming it, where each reader would otherwise fail on it its own way (a traceback, a checksum)."""
+    found = sorted(path for path in folder.rglob("*") if path.suffix.lower() in IMAGE_SUFFIXES)
+    for path in found:
+        if path.is_symlink() and not path.exists():
+            raise PipelineError(f"data.path: {path}: a symbolic link to {path.readlink()}, which does not exist")
+    return found
+
+
 def class_files(root: Path) -> tuple[list[str], list[tuple[Path, int]]]:
     """Class names (sorted sub-directories) and every image file under them with its label."""
     classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     items = [
-        (path, label)
-        for label, name in enumerate(classes)
-        for path in sorted((root / name).rglob("*"))
-        if path.suffix.lower() in IMAGE_SUFFIXES and path.is_file()
+        (path, label) for label, name in enumerate(classes) for path in _image_paths(root / name) if path.is_file()
     ]
     empty = sorted(set(classes) - {classes[label] for _, label in items})
     if not classes or empty:
@@ -324,7 +332,7 @@ def fingerprint(cfg: DataConfig) -> str:
     """sha256 that changes when the data changes: file names, sizes and mtimes for ImageFolder."""
     digest = hashlib.sha256(repr(sorted(cfg.model_dump(mode="json").items())).encode())
     if cfg.source == "imagefolder" and cfg.path is not None and cfg.path.is_dir():
-        for f in sorted(p for p in cfg.path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES):
+        for f in _image_paths(cfg.path):
             stat = f.stat()
             digest.update(f"{f.relative_to(cfg.path)}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     return digest.hexdigest()

@@ -111,14 +111,30 @@ def write_json(path: Path, data: Any) -> None:
     write_text(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
+TOO_DEEP = "lists or tables nested too deeply to read"
+"""The one-line reason for input nested past Python's recursion limit: the JSON and TOML parsers recurse once per
+level (or more) and end in RecursionError, a traceback, where any other malformed input is one line."""
+
+
 def read_json(path: Path) -> Any:
     """Read a JSON file written by the pipeline, turning a missing or corrupt one into a one-line error."""
     try:
-        return json.loads(path.read_text())
+        text = path.read_text()
     except FileNotFoundError:
         raise PipelineError(f"{path}: not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except UnicodeDecodeError as err:
         raise PipelineError(f"{path}: corrupt JSON: {err}") from None
+    return parse_json(text, str(path))
+
+
+def parse_json(text: str, where: str) -> Any:
+    """JSON `text` read from `where` (a file, a device's report); malformed or too deeply nested is one line."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise PipelineError(f"{where}: corrupt JSON: {err}") from None
+    except RecursionError:
+        raise PipelineError(f"{where}: corrupt JSON: {TOO_DEEP}") from None
 
 
 def first_line(err: BaseException | str, typed: bool = False) -> str:

@@ -124,6 +124,26 @@ def test_runs_list_and_show(tmp_path: Path):
     _assert_one_line_error(pipeline("runs", "show", str(tmp_path), cwd=tmp_path), "not a run directory")
 
 
+def test_deeply_nested_input_is_one_line_and_runs_list_skips_it(tmp_path: Path):
+    """Nesting past Python's recursion limit, in a --set value or a run's manifest: one line, never a traceback."""
+    deep = "[" * 5000 + "]" * 5000
+    _assert_one_line_error(
+        pipeline("train", "--run-dir", str(tmp_path / "r"), "--set", f"train.lr={deep}", cwd=tmp_path),
+        "--set train.lr: lists or tables nested too deeply to read",
+    )
+    assert not (tmp_path / "r").exists()
+    create_run_dir(load_config(), tmp_path / "20260101-000000-good")
+    bad = tmp_path / "20260102-000000-deep"
+    bad.mkdir()
+    (bad / "manifest.json").write_text(f'{{"run_id": "x", "stages": {{}}, "stopped": {deep}}}')
+    listing = pipeline("runs", "list", "--root", str(tmp_path), cwd=tmp_path)
+    assert listing.returncode == 0 and "Traceback" not in listing.stderr, listing.stderr
+    assert "20260101-000000-good" in listing.stdout and "20260102" not in listing.stdout
+    note = f"skipping run {bad.name}: {bad}/manifest.json: corrupt JSON: lists or tables nested too deeply to read"
+    assert listing.stderr.strip() == note
+    _assert_one_line_error(pipeline("runs", "show", str(bad), cwd=tmp_path), "nested too deeply to read")
+
+
 READ_ONLY = 'mount --bind "$1" "$1" && mount -o remount,ro,bind "$1" && shift && exec "$@"'
 
 

@@ -4,10 +4,12 @@ another exception (the CLI turns only PipelineError into one line and exit 2).""
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -91,3 +93,43 @@ def test_any_manifest_is_listed_or_skipped(manifest: Any) -> None:
         champion(Path(tmp))
         trained_with(Path(tmp), "digest", {"data": "d"})
         assert isinstance(promotion_gate(0.5, Path(tmp), 0.01).passed, bool)
+
+
+DEEP = 5000
+"""Levels of nesting far past Python's recursion limit (1000): the parsers recurse once per level or more."""
+DEEP_VALUES = {
+    "lists": "[" * DEEP + "]" * DEEP,
+    "tables": "{a = " * DEEP + "1" + "}" * DEEP,
+}
+
+
+@pytest.mark.parametrize("value", DEEP_VALUES.values(), ids=DEEP_VALUES.keys())
+def test_a_deeply_nested_set_value_is_one_line(value: str) -> None:
+    with pytest.raises(PipelineError, match=r"^--set train\.lr: lists or tables nested too deeply to read$"):
+        load_config(None, [f"train.lr={value}"])
+
+
+@pytest.mark.parametrize("value", DEEP_VALUES.values(), ids=DEEP_VALUES.keys())
+def test_a_deeply_nested_config_or_inventory_file_is_one_line(tmp_path: Path, value: str) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text(f"[train]\nlr = {value}\n")
+    with pytest.raises(PipelineError, match=rf"^{config}: invalid TOML: lists or tables nested too deeply"):
+        load_config(config)
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text(f'[[targets]]\nname = "a"\nhost = "h"\ntags = {value}\n')
+    with pytest.raises(PipelineError, match=rf"^{fleet}: invalid TOML: lists or tables nested too deeply"):
+        load_inventory(fleet)
+
+
+@pytest.mark.parametrize("value", ["[" * DEEP + "]" * DEEP, '{"a": ' * DEEP + "1" + "}" * DEEP])
+def test_a_deeply_nested_manifest_is_skipped_and_the_others_listed(tmp_path: Path, value: str, caplog) -> None:
+    good, deep = tmp_path / "20260101-000000-good", tmp_path / "20260102-000000-deep"
+    for run in (good, deep):
+        run.mkdir()
+    (good / "manifest.json").write_text(json.dumps({"run_id": good.name, "stages": {}}))
+    (deep / "manifest.json").write_text(f'{{"run_id": "x", "stages": {{}}, "stopped": {value}}}')
+    with caplog.at_level(logging.WARNING, logger="pipeline.registry"):
+        assert [r.run_id for r in list_runs(tmp_path)] == [good.name]
+    assert f"skipping run {deep.name}: {deep / 'manifest.json'}: corrupt JSON: lists or tables nested" in caplog.text
+    with pytest.raises(PipelineError, match=r"corrupt JSON: lists or tables nested too deeply to read$"):
+        read_json(deep / "manifest.json")

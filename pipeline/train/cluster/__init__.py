@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import re
 import shlex
 import tempfile
@@ -31,9 +30,10 @@ from typing import Any
 
 import pipeline
 from pipeline.errors import PipelineError
+from pipeline.files import parse_json
 from pipeline.fleet import devicecheck, upload
 from pipeline.fleet.inventory import Inventory, SshTarget
-from pipeline.fleet.ssh import FAILURES, Device, HostKeyRefused
+from pipeline.fleet.ssh import FAILURES, Device, Refused
 
 MIN_PYTHON = (3, 10)
 MIN_TORCH = (2, 5)
@@ -153,7 +153,11 @@ async def _inspect(dev: Device, code: upload.Bundle, workdir: Path, node: NodeCh
     if not report:
         node.status, node.reason = "refused", f"{target.python}: {out.tail()}"
         return
-    node.facts = json.loads(report[-1].removeprefix("DEVICECHECK "))
+    try:
+        node.facts = parse_json(report[-1].removeprefix("DEVICECHECK "), "its device check")
+    except PipelineError as err:
+        node.status, node.reason = "refused", str(err)
+        return
     found = problems(node.facts, code.id, target.python)
     node.status, node.reason = ("refused", "; ".join(found)) if found else ("ready", "")
 
@@ -164,7 +168,7 @@ async def check_one(target: SshTarget, code: upload.Bundle, workdir: Path) -> No
     try:
         async with Device(target, command_timeout_s=CHECK_TIMEOUT_S) as dev:
             await _inspect(dev, code, workdir, node)
-    except HostKeyRefused as err:
+    except Refused as err:  # the device's host key, or the controller's own key
         node.status, node.reason = "refused", str(err)
     except upload.UploadFailed as err:
         node.status, node.reason = "refused", f"code upload: {err}"
@@ -201,6 +205,12 @@ def refuse_unready(nodes: list[NodeCheck], strategy: str = "ddp") -> None:
                 f"{node.target.name}: refused: train.strategy=fsdp needs a GPU with torch {torch} "
                 "(its FSDP2 runs on a CPU from torch 2.6); use ddp"
             )
+
+
+def refusal(target: SshTarget, err: Refused) -> PipelineError:
+    """The one line for a device the controller will not log in to (its host key, or the controller's own key), said
+    as :func:`refuse_unready` says it for a device refused at the check."""
+    return PipelineError(f"{target.name}: refused: {err}")
 
 
 # --- bounds -----------------------------------------------------------------------------------------------------

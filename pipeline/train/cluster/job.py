@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import re
 import secrets
+import shlex
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 from pipeline import layout
 from pipeline.config import Config
 from pipeline.errors import PipelineError
-from pipeline.files import fsync_dir
+from pipeline.files import first_line, fsync_dir
 from pipeline.fleet import upload
 from pipeline.fleet.ssh import FAILURES
 from pipeline.safe_dcp import read_metadata
@@ -34,6 +35,9 @@ POLL_S = 2.0
 """Seconds between the controller's looks at the devices: a new checkpoint to copy, the last step, a device back."""
 REJOIN_EVERY_S = 10.0
 """Seconds between attempts to reach a device that left."""
+PREPARE_FAILURES = (*FAILURES, upload.UploadFailed, PipelineError)
+"""What preparing a device's run directory fails with when the device cannot take it: a transfer or a command that
+failed there (no space left, the link lost), an upload that would not verify."""
 
 
 @dataclass
@@ -159,7 +163,9 @@ class Job:
 
     async def _round(self, members: list[Node]) -> RoundEnd:
         """Prepare every device, start its agent, and watch until the round ends one way or another."""
-        await self._prepare(members)
+        unprepared = await self._prepare(members)
+        if unprepared:
+            return RoundEnd(lost=unprepared)
         pumps = await self._start(members)
         waits = {asyncio.create_task(n.exit_status()): n for n in members}
         watcher = asyncio.create_task(self._watch(members))
@@ -173,11 +179,29 @@ class Job:
         await self._collect_newest(members)
         return end
 
-    async def _prepare(self, members: list[Node]) -> None:
-        """Every device's run directory as the controller's, all at once; the bytes that cost counted."""
-        for sent in await asyncio.gather(*(n.prepare(self.run_dir, self.dataset, self.workdir) for n in members)):
+    async def _prepare(self, members: list[Node]) -> list[Node]:
+        """Every device's run directory as the controller's, all at once; the bytes that cost counted. Returns the
+        devices that could not be prepared (a full disk, a lost link): they leave before the round starts, as a
+        device that went away does, unless too few would be left (one line naming the first, and why)."""
+        found = await asyncio.gather(
+            *(n.prepare(self.run_dir, self.dataset, self.workdir) for n in members), return_exceptions=True
+        )
+        failed: dict[str, str] = {}
+        for node, sent in zip(members, found, strict=True):
+            if isinstance(sent, BaseException):
+                failed[node.name] = await _unprepared(node, sent)
+                continue
             for what, count in sent.items():
                 self.sent[what] += count
+        if failed and len(members) - len(failed) < self.minimum:
+            name, why = next(iter(failed.items()))
+            raise PipelineError(
+                f"train: {name}: cannot prepare its run directory: {why}; {len(members) - len(failed)} devices "
+                f"remain, below train.devices' minimum {self.minimum}"
+            )
+        for name, why in failed.items():
+            self.printer.emit("controller", f"{name}: cannot prepare its run directory: {why}", "\n")
+        return [n for n in members if n.name in failed]
 
     async def _start(self, members: list[Node]) -> list[asyncio.Task[None]]:
         """Start every device's agent; returns the tasks that print their output."""
@@ -319,6 +343,21 @@ async def _exit_statuses(
         rest = [t for t in waits if t not in done]
         statuses |= {waits[t].name: code for t, code in zip(rest, await asyncio.gather(*rest), strict=True)}
     return statuses
+
+
+async def _unprepared(node: Node, err: BaseException) -> str:
+    """Why `node` could not be prepared, in one line, with the space its disk has left (SFTP says only "Failure"
+    when it is full); `err` raised again when it is not the device's doing (a bug here, a cancelled job)."""
+    if not isinstance(err, PREPARE_FAILURES):
+        raise err
+    why = first_line(err, typed=not isinstance(err, PipelineError))
+    root = node.check.target.root
+    with contextlib.suppress(*FAILURES):
+        out = await node.dev.run(f"df -Pk {shlex.quote(root)} | tail -n 1", timeout_s=10)
+        fields = out.stdout.split()
+        if out.ok and len(fields) > 3 and fields[3].isdigit():
+            why += f" ({int(fields[3]) / 1000:.1f} MB free on the device's {root})"
+    return why
 
 
 def _whole(step_dir: Path) -> bool:

@@ -17,8 +17,8 @@ import asyncssh
 from pipeline import layout
 from pipeline.errors import PipelineError
 from pipeline.fleet import upload
-from pipeline.fleet.ssh import FAILURES, Device
-from pipeline.train.cluster import NodeCheck, agent, nodedata
+from pipeline.fleet.ssh import FAILURES, Device, Refused
+from pipeline.train.cluster import NodeCheck, agent, nodedata, refusal
 from pipeline.train.rank import checkpoint
 
 STOP_WAIT_S = 20.0
@@ -43,7 +43,10 @@ class Node:
         controller's rendezvous store on `store_port` (docs/security.md#the-rendezvous-store); the device's run
         directory is named `key` (the job's, the same on every device)."""
         target = check.target
-        dev = await Device(target, command_timeout_s=300).__aenter__()
+        try:
+            dev = await Device(target, command_timeout_s=300).__aenter__()
+        except Refused as err:
+            raise refusal(target, err) from None
         try:
             listener = await dev.conn.forward_remote_port("127.0.0.1", 0, "127.0.0.1", store_port)
         except asyncssh.ChannelListenError as err:

@@ -27,6 +27,7 @@ from typing import Any
 from pipeline import data
 from pipeline.config import Config, DataConfig
 from pipeline.errors import PipelineError
+from pipeline.files import parse_json
 from pipeline.fleet import upload
 from pipeline.fleet.inventory import SshTarget
 from pipeline.fleet.ssh import Device
@@ -73,7 +74,8 @@ def dataset_bundle(cfg: DataConfig, workdir: Path) -> upload.Bundle:
     for path, _ in items:
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
         index[path.relative_to(cfg.path).as_posix()] = digest
-        files.setdefault(digest, path)
+        # The link's file, not the link: an SFTP upload copies a symbolic link as a link, to a path the device lacks.
+        files.setdefault(digest, path.resolve())
     text = json.dumps(index, sort_keys=True, indent=0)
     bundle_id = "data-" + hashlib.sha256(text.encode()).hexdigest()[:20]
     (workdir / INDEX).write_text(text)
@@ -142,7 +144,7 @@ async def report(dev: Device, cfg: DataConfig, python_path: str) -> NodeData:
     lines = [line for line in out.stdout.splitlines() if line.startswith("NODEDATA ")]
     if not lines:
         raise PipelineError(f"{target.name}: cannot read its data.path: {out.tail()}")
-    found: dict[str, Any] = json.loads(lines[-1].removeprefix("NODEDATA "))
+    found: dict[str, Any] = parse_json(lines[-1].removeprefix("NODEDATA "), f"{target.name}: its data report")
     if "error" in found:
         raise PipelineError(f"{target.name}: {found['error']}")
     return NodeData(**found)

@@ -21,8 +21,8 @@ from pipeline.config import Config
 from pipeline.errors import PipelineError
 from pipeline.files import read_json, write_json
 from pipeline.fleet.inventory import Inventory, SshTarget, load_inventory
-from pipeline.fleet.ssh import Device
-from pipeline.train.cluster import bounds, check_all, code_bundle, nodedata, python_path, refuse_unready
+from pipeline.fleet.ssh import Device, Refused
+from pipeline.train.cluster import bounds, check_all, code_bundle, nodedata, python_path, refusal, refuse_unready
 from pipeline.train.cluster.agent import Printer
 from pipeline.train.cluster.job import Job
 from pipeline.train.rank import checkpoint
@@ -99,8 +99,11 @@ async def _node_data(targets: list[SshTarget], cfg: Config, code_id: str) -> dic
     """Every device's own dataset (node-local `data.path`), reported by the device with the controller's code."""
 
     async def one(target: SshTarget) -> nodedata.NodeData:
-        async with Device(target, command_timeout_s=nodedata.FINGERPRINT_TIMEOUT_S) as dev:
-            return await nodedata.report(dev, cfg.data, python_path(target, code_id))
+        try:
+            async with Device(target, command_timeout_s=nodedata.FINGERPRINT_TIMEOUT_S) as dev:
+                return await nodedata.report(dev, cfg.data, python_path(target, code_id))
+        except Refused as err:
+            raise refusal(target, err) from None
 
     found = await asyncio.gather(*(one(t) for t in targets))
     return nodedata.check_classes({t.name: n for t, n in zip(targets, found, strict=True)})
