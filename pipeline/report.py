@@ -7,12 +7,11 @@ report can be regenerated at any time with `pipeline runs show`.
 from __future__ import annotations
 
 import base64
-import json
 import re
 from pathlib import Path
 from typing import Any
 
-from pipeline.files import write_text
+from pipeline.files import parse_json, read_json, write_text
 from pipeline.layout import CURVES, DEPLOY_RESULTS, METRICS, PARITY, REPORT
 from pipeline.manifest import RunDir
 from pipeline.stages import STAGES
@@ -30,7 +29,7 @@ HEADLINE = {
 
 
 def _read_json(path: Path) -> Any:
-    return json.loads(path.read_text()) if path.exists() else None
+    return read_json(path) if path.exists() else None
 
 
 def short_reason(reason: str, limit: int = SHORT_REASON) -> str:
@@ -83,7 +82,7 @@ def epoch_rows(run: RunDir) -> list[dict[str, Any]]:
     path = run.path / METRICS
     if not path.exists():
         return []
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [parse_json(line, str(path)) for line in path.read_text().splitlines() if line.strip()]
     rows = []
     for line in (x for x in lines if "val_accuracy" in x):
         losses = [x["loss"] for x in lines if "step" in x and x.get("epoch") == line["epoch"]]

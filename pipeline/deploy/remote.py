@@ -262,7 +262,7 @@ def _health(text: str) -> dict[str, Any]:
     """The health command's `HEALTH <json>` verdict; {} when it printed none (or not a JSON object)."""
     try:
         verdict = json.loads(text) if text else {}
-    except ValueError:
+    except (ValueError, RecursionError):
         return {}
     return verdict if isinstance(verdict, dict) else {}
 

@@ -158,6 +158,9 @@ async def _inspect(dev: Device, code: upload.Bundle, workdir: Path, node: NodeCh
     except PipelineError as err:
         node.status, node.reason = "refused", str(err)
         return
+    if not isinstance(node.facts, dict):
+        node.status, node.reason, node.facts = "refused", "its device check printed no JSON object", {}
+        return
     found = problems(node.facts, code.id, target.python)
     node.status, node.reason = ("refused", "; ".join(found)) if found else ("ready", "")
 

@@ -16,6 +16,7 @@ import asyncssh
 
 from pipeline import layout
 from pipeline.errors import PipelineError
+from pipeline.files import first_line
 from pipeline.fleet import upload
 from pipeline.fleet.ssh import FAILURES, Device, Refused
 from pipeline.train.cluster import NodeCheck, agent, nodedata, refusal
@@ -47,6 +48,8 @@ class Node:
             dev = await Device(target, command_timeout_s=300).__aenter__()
         except Refused as err:
             raise refusal(target, err) from None
+        except FAILURES as err:  # it answered the check a moment ago
+            raise PipelineError(f"{target.name}: unreachable: {first_line(err, typed=True)}") from None
         try:
             listener = await dev.conn.forward_remote_port("127.0.0.1", 0, "127.0.0.1", store_port)
         except asyncssh.ChannelListenError as err:

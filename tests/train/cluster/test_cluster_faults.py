@@ -115,6 +115,11 @@ def test_a_device_report_nested_too_deeply_is_one_line(jetson_fleet, forwarding,
     with pytest.raises(PipelineError, match=rf"^node-1: its data report: {deep}$"):
         asyncio.run(data_report())
 
+    # JSON, but not the object a check prints.
+    (device.disk / "deep.json").write_text("5")
+    out = run_cli("cluster", "check", "--inventory", str(inv), "--json", cwd=tmp_path)
+    assert_one_line(out, r"error: node-1: refused: its device check printed no JSON object$")
+
 
 def folder_too_big_for(tmp_path: Path) -> Path:
     """The sample tiles and a 4 MB image (noise does not compress): more than a 1 MB disk holds."""
