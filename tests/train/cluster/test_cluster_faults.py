@@ -33,10 +33,9 @@ from tests.train.cluster.test_cluster import (
     run_cli,
     start_cluster,
 )
+from tests.train.cluster.test_cluster_data import FAST
 
 __all__ = ["forwarding", "jetson_fleet"]  # fixtures, used by name
-
-FAST = ("--set", "train.epochs=1", "--set", "data.source=imagefolder", "--set", "data.image_size=16")
 
 
 def bad_keys(where: Path) -> tuple[Path, Path]:
