@@ -5,8 +5,9 @@ them (a zip of the `pipeline` and `models` packages, sent with the fleet's verif
 unchanged version sends nothing), hosts the rendezvous store itself, on its loopback, and starts one torchrun agent
 per device, each with `--rdzv-conf is_host=0` (docs/torch-distributed.md#choosing-the-rendezvous-host): the job
 depends on no one device. The devices reach the store through their SSH connections (a remote port forward), and
-their ranks meet there too: nothing the job starts listens on the network but gloo (docs/security.md). Each device trains into a run directory on its own disk; the controller copies every complete checkpoint
-back as it is committed, so the controller's run directory always holds the newest checkpoint that is whole.
+their ranks meet there too: nothing the job starts listens on the network but gloo (docs/security.md). Each device
+trains into a run directory on its own disk; the controller copies every complete checkpoint back as it is
+committed, so the controller's run directory always holds the newest checkpoint that is whole.
 
 Membership is the controller's: a job runs in rounds of a fixed node set. When a device disappears, the round ends
 on every device, and the next round starts with the devices left (if `train.devices`' minimum still holds) from the

@@ -84,7 +84,7 @@ def test_a_device_offering_a_climbing_file_name_is_named_and_nothing_is_written(
 
 
 async def _get_checkpoint(target: SshTarget, part: Path) -> None:
-    node = await Node.connect(NodeCheck(target), "job")
+    node = await Node.connect(NodeCheck(target), "job", 1)  # port 1: no store, files only
     try:
         await node.get_checkpoint(STEP, part)
     finally:
@@ -102,7 +102,7 @@ def test_a_checkpoint_copied_back_is_on_disk_before_latest_moves(jetson_fleet, t
     log = tmp_path / "collect.strace"
 
     async def collect() -> None:
-        node = await Node.connect(NodeCheck(target), job.key)
+        node = await Node.connect(NodeCheck(target), job.key, 1)
         try:
             with durability.attached(os.getpid(), log):
                 await job._collect_newest([node])

@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from pipeline import layout
 from pipeline.files import read_json
 from tests.harness import JetsonFleet, fixtures
@@ -136,5 +138,6 @@ def _toml(text: str) -> str:
     return toml_value(text)
 
 
+@pytest.mark.slow  # `make test` runs the same attacks on Python 3.10 / torch 2.5 devices (test_oldest_torch.py)
 def test_an_attacker_on_the_network_reaches_no_store_and_nothing_leaks(jetson_fleet, forwarding, tmp_path) -> None:
     run_attacked_job(jetson_fleet, tmp_path, VENV_PYTHON)
