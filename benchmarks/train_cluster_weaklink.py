@@ -531,7 +531,8 @@ def done(verdict: dict[str, Any]) -> str:
     """Issue #31's done-when in words, from `verdict()`."""
     if verdict["best"] is None:
         return "no method but none reached it"
-    auto = "auto never did" if verdict["auto_vs_best"] is None else f"auto {verdict['auto_vs_best']:.2f}x its time"
+    ratio = verdict["auto_vs_best"]
+    auto = "auto not there (or not run)" if ratio is None else f"auto {ratio:.2f}x its time"
     met = "met" if verdict["met"] else "not met"
     return (
         f"{verdict['best']} first, in {verdict['wall_s_vs_none']:.2f}x none's time with "
