@@ -1,12 +1,25 @@
 """Cluster training over SSH on 4 stand-in Jetsons, each on a busy-WiFi link: 20 Mbit/s with 30 ms each way.
 
-    python benchmarks/train_cluster_weaklink.py [--epochs 8] [--methods none,fp16,powersgd,topk,localsgd]
+    python benchmarks/train_cluster_weaklink.py [--job quickstart|bandwidth] [--epochs 8]
+        [--methods none,fp16,powersgd,topk,localsgd,diloco,auto] [--out PATH.json]
 
-What it measures (issue #14), with `pipeline train --inventory` as a user runs it:
+What it measures (issues #14 and #31), with `pipeline train --inventory` as a user runs it:
 
-- per `train.compression` method: mean s/step after the compression warm-up (the first epoch: steps of epoch >= 1,
-  from `batch / samples_per_s` in metrics.jsonl) and the final validation accuracy. "Best" is the fastest method
-  within 1 point of `none`; speed-ups are against `none` of the same run (another process may share the CPUs);
+- per `train.compression` method, at its defaults: mean s/step after the compression warm-up (the first epoch:
+  steps of epoch >= 1, from `batch / samples_per_s` in metrics.jsonl) and the final validation accuracy. "Best" is
+  the fastest method a step within 1 point of `none`; speed-ups are against `none` of the same run (another process
+  may share the CPUs);
+- per method, time to accuracy (issue #31): the validation accuracy after each epoch (the run's only evaluation)
+  against the wall seconds since training started (rank 0's metrics.jsonl appearing on its device: the ranks are up
+  and the data loaded; uploads and rendezvous differ with what the devices already hold, not with the method), the
+  bytes rank 0 handed to collectives until then (the step lines' `comm_bytes`, summed: the method's own traffic)
+  and the bytes the host ends of the links carried both ways (everything: collectives between devices, SSH,
+  checkpoints copied back); the first epoch at or above `none`'s final accuracy gives the time and bytes to it
+  (`to_target`, null when never), and their ratios to none's (`to_target_vs_none`). `time_to_accuracy` is the
+  issue's verdict: the method (none and auto aside) first there, in <= 1/3 of none's time with <= 1/10 of its
+  collective bytes, and auto within 1.2x of that method's time. The times are those of a watcher reading the
+  device's log every 0.1 s, so each is up to 0.1 s late. The plot beside the JSON (same name, .png) draws each
+  method's accuracy against the seconds and against the collective bytes;
 - a node lost mid-run (`train.devices = "3:4"`, the last stand-in killed whole, as
   tests/train/cluster/test_cluster_elastic.py does, at step 22 (`--kill-at-step`), 4 steps past the checkpoint at the
   end of epoch 2): wall seconds from the kill to the controller's next round and to the next training step written
@@ -15,10 +28,23 @@ What it measures (issue #14), with `pipeline train --inventory` as a user runs i
   and data unchanged), from the upload's own `bytes_sent` (summary.json) and from the host ends' link counters
   (/sys/class/net/jetN/statistics/{tx,rx}_bytes, summed), split at the first and the last training step.
 
-The job is the quickstart (configs/quickstart.toml defaults: small_cnn at 16 px, global batch 64, lr 1e-2; 8
-epochs set, the quickstart's count: `auto` would train 14 on these 576 training images, to reach 120 optimizer
-steps) on the built-in digits, written as an image folder (one PNG per digit, by class; `data.augment = false`, as
-the quickstart's tensor digits get no augmentation) so that `data.sync = true` has the controller send the data;
+Two jobs (`--job`), each into its own results file, on the same link, data and epoch count, at default knobs:
+
+- `quickstart` (train_cluster_weaklink.json; latency-bound): configs/quickstart.toml's small_cnn at 16 px, global
+  batch 64, lr 1e-2; 8 epochs set, the quickstart's count (`auto` would train 14 on these 576 training images, to
+  reach 120 optimizer steps). Its 20k parameters are 81 KB a step, some 50 ms at 20 Mbit/s against 0.88 s a step
+  of all-reduce rounds between devices 121 ms apart. After the methods, `none` twice more: unchanged (what a second
+  start sends) and losing a node (above).
+- `bandwidth` (train_cluster_weaklink_bandwidth.json; bandwidth-bound): mobilenet_v3_small at 32 px (the digits
+  scaled up), the same batch, lr and 8 epochs, and only the methods' runs. Its 1.53 M parameters are 6.1 MB of fp32
+  gradients: a ring all-reduce over 4 ranks sends and receives 1.5 times that on every device's link, about 3.7 s a
+  step at 20 Mbit/s, against about 0.2 s of compute for the whole global batch on 2 cores (measured here: 72 steps
+  on 2 local ranks, 0.21 s a step; it reached 0.972 after 8 epochs, 0.868 after 5, a curve that still climbs, so
+  the epoch each method gets there differs). resnet18 at 32 px would be more bandwidth-bound still, but its 44.7 MB
+  of gradients are some 27 s a step for `none`: over half an hour for its run alone.
+
+Both train on the built-in digits, written as an image folder (one PNG per digit, by class; `data.augment = false`,
+as the quickstart's tensor digits get no augmentation) so that `data.sync = true` has the controller send the data;
 every device runs one rank with this venv's Python (tests/harness: a real sshd per device in its own namespaces
 with a private disk; tests/train/cluster/test_cluster.py's `start_cluster`).
 
@@ -45,7 +71,7 @@ links get only the MTU and tbf). The effect is the same as 30 ms on each link ea
 MTU 65000 on both veth ends (host ends included) and on the TUN device keeps the Python shim to a few packets per
 step, as in weaklink.py, at some cost in realism (real WiFi carries 1500-byte frames). The link is measured before
 training (TCP RTT of 64-byte exchanges and 2 s bulk transfers both ways, host <-> node-1 and node-1 <-> node-2)
-and recorded. Writes benchmarks/results/train_cluster_weaklink.json and prints a table. Root only; every namespace,
+and recorded. Writes the job's results file and plot and prints a table. Root only; every namespace,
 shim and stand-in it starts is removed on exit, Ctrl-C and failure included.
 """
 
@@ -86,6 +112,25 @@ DEVICES = 4
 POLL_S = 0.1
 """How often the watcher reads the link counters and the devices' metrics.jsonl: the resolution of its times."""
 RUN_TIMEOUT_S = 1800
+METHODS = "none,fp16,powersgd,topk,localsgd,diloco,auto"
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every method's run trains (the docstring says why each)."""
+
+    model: str
+    image_size: int
+    results: str
+    """benchmarks/results/<results>.json, and the plot beside it (.png)."""
+    extras: bool
+    """Whether `none` runs twice more after the methods: unchanged (what a second start sends) and losing a node."""
+
+
+JOBS = {
+    "quickstart": Job("small_cnn", 16, "train_cluster_weaklink", extras=True),
+    "bandwidth": Job("mobilenet_v3_small", 32, "train_cluster_weaklink_bandwidth", extras=False),
+}
 
 
 # -- the link ------------------------------------------------------------------------------------------------------
@@ -152,17 +197,27 @@ class Sample:
     """Bytes the host ends sent toward the devices (the controller's, and other devices' forwarded)."""
     rx: int
     """Bytes the host ends received from the devices."""
-    logs: dict[str, tuple[int, int]]
-    """Device name -> (inode, highest step) of its metrics.jsonl, where it has one."""
+    logs: dict[str, tuple[int, int, int]]
+    """Device name -> (inode, highest step, validation lines) of its metrics.jsonl, where it has one."""
 
     @property
     def step(self) -> int:
         """The highest step any device's log showed (0 before the first)."""
-        return max((step for _, step in self.logs.values()), default=0)
+        return max((step for _, step, _ in self.logs.values()), default=0)
 
-    def stepped_past(self, step: int, before: dict[str, tuple[int, int]]) -> bool:
+    @property
+    def validated(self) -> int:
+        """The most validation lines (one an epoch) any device's log showed."""
+        return max((count for _, _, count in self.logs.values()), default=0)
+
+    @property
+    def link(self) -> int:
+        """Bytes the host ends carried both ways."""
+        return self.tx + self.rx
+
+    def stepped_past(self, step: int, before: dict[str, tuple[int, int, int]]) -> bool:
         """Whether a device's log, rewritten since `before` (another inode: a new round), is past `step`."""
-        return any(ino != before.get(name, (0, 0))[0] and s > step for name, (ino, s) in self.logs.items())
+        return any(ino != before.get(name, (0,))[0] and s > step for name, (ino, s, _) in self.logs.items())
 
 
 @dataclass
@@ -173,7 +228,7 @@ class Watcher:
     run_name: str
     samples: list[Sample] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
-    _seen: dict[Path, tuple[int, int, int]] = field(default_factory=dict)
+    _seen: dict[Path, tuple[int, int, int, int]] = field(default_factory=dict)
 
     def __enter__(self) -> Watcher:
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -199,18 +254,21 @@ class Watcher:
         logs = {t.name: log for t in self.fleet if t.running and (log := self._log(t)) is not None}
         return Sample(time.time(), tx, rx, logs)
 
-    def _log(self, target: JetsonTarget) -> tuple[int, int] | None:
-        """(inode, highest step) of the device's rank-0 log of this run; read again only when it changed."""
+    def _log(self, target: JetsonTarget) -> tuple[int, int, int] | None:
+        """(inode, highest step, validation lines) of the device's rank-0 log of this run; read again only when it
+        changed."""
         try:
             path = next((target.disk / "train/runs").glob(f"{self.run_name}-*/train/metrics.jsonl"))
             st = path.stat()
         except (OSError, StopIteration):  # not there yet, or the device is gone
             return None
-        key = (st.st_ino, st.st_size, st.st_mtime_ns)
-        if self._seen.get(path, (0, 0, 0))[:2] != key[:2]:
-            steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line.endswith("}")]
-            self._seen[path] = (st.st_ino, st.st_size, max(steps, default=0))
-        return st.st_ino, self._seen[path][2]
+        key = (st.st_ino, st.st_size)
+        if self._seen.get(path, (0, 0))[:2] != key:
+            lines = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+            steps = max((r.get("step", 0) for r in lines), default=0)
+            self._seen[path] = (*key, steps, sum("val_accuracy" in r for r in lines))
+        _, _, steps, validated = self._seen[path]
+        return st.st_ino, steps, validated
 
     def step(self) -> int:
         """The highest step any device's log shows now."""
@@ -228,19 +286,20 @@ def phases(samples: list[Sample], start: Sample) -> dict[str, dict[str, int]]:
     return {name: {"tx": b.tx - a.tx, "rx": b.rx - a.rx} for name, a, b in zip(names, cuts[:-1], cuts[1:], strict=True)}
 
 
-def settings(method: str, epochs: int, data: Path, devices: str) -> list[str]:
-    """`--set` arguments: the quickstart, on the digits folder sent by the controller, with `method`."""
+def settings(job: Job, method: str, epochs: int, data: Path, devices: str) -> list[str]:
+    """`--set` arguments: `job` on the digits folder sent by the controller, with `method`."""
     values: dict[str, Any] = {"data.source": "imagefolder", "data.path": str(data), "data.sync": True}
     # The quickstart's digits get no augmentation (tensor source, augment_shift 0); an image folder would get random
     # crops down to 35% of the area, which on 8x8 digits held the accuracy near 0.6 after 6 epochs.
     values["data.augment"] = False
+    values |= {"model.name": job.model, "data.image_size": job.image_size}
     values |= {"train.epochs": epochs, "train.compression": method, "train.devices": devices}
     return [arg for key, value in values.items() for arg in ("--set", f"{key}={toml_value(value)}")]
 
 
-def summarise(run_dir: Path) -> dict[str, Any]:
-    """s/step after the warm-up epoch, steps, final accuracy and what starting the run sent, from the run's files."""
-    records = [json.loads(line) for line in (run_dir / layout.METRICS).read_text().splitlines()]
+def summarise(records: list[dict[str, Any]], run_dir: Path) -> dict[str, Any]:
+    """s/step after the warm-up epoch, steps, final accuracy and what starting the run sent, from the run's metrics
+    `records` and summary."""
     steps = [r for r in records if "samples_per_s" in r]
     timed = [r["batch"] / r["samples_per_s"] for r in steps if r["epoch"] >= 1] or [0.0]  # 0: a 1-epoch run
     summary = read_json(run_dir / layout.SUMMARY)
@@ -280,7 +339,9 @@ def train(fleet: JetsonFleet, inv: Path, run_dir: Path, args: list[str], kill_at
     if left := marked_processes(fleet):
         raise RuntimeError(f"{run_dir.name}: training processes left on devices: {left}")
     start_sample = next((s for s in watch.samples if s.t >= start), watch.samples[0])
-    return {**summarise(run_dir), "wall_s": wall, "link_bytes": phases(watch.samples, start_sample), **lost}
+    records = [json.loads(line) for line in (run_dir / layout.METRICS).read_text().splitlines()]
+    row = {**summarise(records, run_dir), "wall_s": wall, "link_bytes": phases(watch.samples, start_sample), **lost}
+    return row | {"curve": accuracy_curve(records, validations_seen(watch.samples, start))}
 
 
 def _lose_a_node(
@@ -312,6 +373,91 @@ def _lose_a_node(
     }
 
 
+# -- time to accuracy ------------------------------------------------------------------------------------------------
+
+
+def validations_seen(samples: list[Sample], start: float) -> list[tuple[float, int]]:
+    """For each validation line in order: (seconds, host-end bytes both ways) from the first sample after `start`
+    that showed the rank-0 log (training starts: the ranks are up, the data loaded) to the first that showed that
+    line. Upload, device checks and rendezvous are left out: they differ with what the devices already hold, not
+    with the method."""
+    logged = [s for s in samples if s.t >= start and s.logs]
+    if not logged:
+        return []
+    first, top = logged[0], max(s.validated for s in logged)
+    return [next((s.t - first.t, s.link - first.link) for s in logged if s.validated > k) for k in range(top)]
+
+
+def accuracy_curve(records: list[dict[str, Any]], seen: list[tuple[float, int]]) -> list[dict[str, Any]]:
+    """One point per validation line of metrics.jsonl `records`: its epoch, the step before it, its accuracy, the
+    bytes rank 0 handed to collectives until then (the step lines' `comm_bytes`, summed), and `seen`'s wall seconds
+    and link bytes for it."""
+    points: list[dict[str, Any]] = []
+    step = sent = 0
+    for r in records:
+        if "val_accuracy" in r:
+            points.append({"epoch": r["epoch"], "step": step, "val_accuracy": r["val_accuracy"], "comm_bytes": sent})
+        else:
+            step, sent = r.get("step", step), sent + r.get("comm_bytes", 0)
+    return [p | {"wall_s": t, "link_bytes": b} for p, (t, b) in zip(points, seen, strict=True)]
+
+
+def to_target(curve: list[dict[str, Any]], target: float) -> dict[str, Any] | None:
+    """The first point of `curve` at or above `target` accuracy; None when the run never got there."""
+    return next((p for p in curve if p["val_accuracy"] >= target), None)
+
+
+def against(point: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
+    """`point`'s wall seconds, collective bytes and link bytes, each over `base`'s."""
+    return {key: point[key] / base[key] for key in ("wall_s", "comm_bytes", "link_bytes")}
+
+
+def verdict(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue #31's done-when against the `none` of these `runs` (the methods' runs, `none` first): the method, `none`
+    and `auto` aside, that reached none's final accuracy soonest, its time and bytes over none's, auto's time over
+    its, and whether that is within 1/3 of the time, 1/10 of the bytes and 1.2x."""
+    reached = [r for r in runs[1:] if r["method"] != "auto" and r["to_target"]]
+    if not reached:
+        return {"best": None, "met": False}
+    best = min(reached, key=lambda r: r["to_target"]["wall_s"])
+    vs = best["to_target_vs_none"]
+    auto = next((r["to_target"] for r in runs if r["method"] == "auto" and r["to_target"]), None)
+    auto_ratio = auto["wall_s"] / best["to_target"]["wall_s"] if auto else None
+    met = vs["wall_s"] <= 1 / 3 and vs["comm_bytes"] <= 1 / 10 and auto_ratio is not None and auto_ratio <= 1.2
+    return {
+        "best": best["method"],
+        **{f"{k}_vs_none": v for k, v in vs.items()},
+        "auto_vs_best": auto_ratio,
+        "met": met,
+    }
+
+
+def plot(runs: list[dict[str, Any]], target: float, title: str, path: Path) -> None:
+    """Validation accuracy of each run against wall seconds since training started, and against the bytes rank 0
+    handed to collectives (log scale); none's final accuracy dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_time, by_bytes) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for r in runs:
+        accuracy = [p["val_accuracy"] for p in r["curve"]]
+        by_time.plot([p["wall_s"] for p in r["curve"]], accuracy, marker="o", markersize=3, label=r["method"])
+        by_bytes.plot([p["comm_bytes"] / 1e6 for p in r["curve"]], accuracy, marker="o", markersize=3)
+    for ax in (by_time, by_bytes):
+        ax.axhline(target, color="grey", linestyle="--", linewidth=1, label="none's final accuracy")
+        ax.grid(alpha=0.3)
+    by_bytes.set_xscale("log")
+    by_time.set(xlabel="wall seconds since training started", ylabel="validation accuracy (each epoch)")
+    by_bytes.set(xlabel="MB rank 0 sent to collectives (log)")
+    by_time.legend(fontsize="small")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 # -- the benchmark ---------------------------------------------------------------------------------------------------
 
 
@@ -330,8 +476,8 @@ def digits_folder(path: Path, count: int) -> Path:
 
 
 def bench(args: argparse.Namespace, tmp: Path, result: dict[str, Any]) -> None:
-    """Build the cluster, measure the link, run every job, filling `result` and writing it after each job (a run
-    cut short by a failure still leaves what it measured)."""
+    """Build the cluster, measure the link, run every job, filling `result` and writing it (and the plot) after each
+    job (a run cut short by a failure still leaves what it measured)."""
     data = digits_folder(tmp / "digits", args.images)
     started = time.time()
     with weak_cluster(tmp / "fleet", args.rate, args.delay_ms, args.mtu, args.queue_ms) as fleet:
@@ -339,26 +485,40 @@ def bench(args: argparse.Namespace, tmp: Path, result: dict[str, Any]) -> None:
         result["link"] = measure_links(fleet, args.link_seconds)
         print(f"[{time.strftime('%H:%M:%S')}] link: {json.dumps(result['link'])}", file=sys.stderr, flush=True)
         save(args.out, result)
-        jobs: list[tuple[str, str, int]] = [(m, m, 0) for m in args.methods] + [("none (again)", "none", 0)]
-        if args.kill_at_step:
+        jobs: list[tuple[str, str, int]] = [(m, m, 0) for m in args.methods]
+        if args.job.extras:
+            jobs.append(("none (again)", "none", 0))
+        if args.job.extras and args.kill_at_step:
             jobs.append(("none, node lost", "none", args.kill_at_step))
-        rows = []
+        rows: list[dict[str, Any]] = []
         for name, method, kill_at in jobs:
             print(f"[{time.strftime('%H:%M:%S')}] {name} ...", file=sys.stderr, flush=True)
             devices = f"{DEVICES - 1}:{DEVICES}" if kill_at else str(DEVICES)
             run_dir = tmp / f"run-{len(rows)}"
             run_dir.mkdir()
             row = {"run": name, "method": method}
-            row |= train(fleet, inv, run_dir, settings(method, args.epochs, data, devices), kill_at)
+            row |= train(fleet, inv, run_dir, settings(args.job, method, args.epochs, data, devices), kill_at)
             rows.append(row)
             print(f"  {json.dumps(row)}", file=sys.stderr, flush=True)
-            for r in rows:
-                r["speedup"] = rows[0]["s_per_step"] / r["s_per_step"] if r["s_per_step"] else 0.0
-                r["accuracy_delta"] = r["val_accuracy"] - rows[0]["val_accuracy"]
-            within = [r for r in rows[: len(args.methods)] if r["accuracy_delta"] >= -0.01]
-            result |= {"best": min(within, key=lambda r: r["s_per_step"])["method"], "runs": rows}
-            result["bench_wall_s"] = time.time() - started
+            result |= score(rows, len(args.methods)) | {"runs": rows, "bench_wall_s": time.time() - started}
             save(args.out, result)
+            title = f"{args.job_name}: {result['model']} @ {args.job.image_size} px, {DEVICES} devices, {args.rate}"
+            plot(rows[: len(args.methods)], result["target_accuracy"], title, args.out.with_suffix(".png"))
+
+
+def score(rows: list[dict[str, Any]], methods: int) -> dict[str, Any]:
+    """Each of `rows` against the first (`none`): speed-up, accuracy, and time and bytes to none's final accuracy;
+    then the fastest method a step within 1 point of none and issue #31's verdict over the first `methods` rows."""
+    base, target = rows[0], rows[0]["val_accuracy"]
+    base_reached = to_target(base["curve"], target)
+    for r in rows:
+        r["speedup"] = base["s_per_step"] / r["s_per_step"] if r["s_per_step"] else 0.0
+        r["accuracy_delta"] = r["val_accuracy"] - target
+        r["to_target"] = reached = to_target(r["curve"], target)
+        r["to_target_vs_none"] = against(reached, base_reached) if reached and base_reached else None
+    within = [r for r in rows[:methods] if r["accuracy_delta"] >= -0.01]
+    best = min(within, key=lambda r: r["s_per_step"])["method"]
+    return {"best": best, "target_accuracy": target, "time_to_accuracy": verdict(rows[:methods])}
 
 
 def save(path: Path, result: dict[str, Any]) -> None:
@@ -367,35 +527,52 @@ def save(path: Path, result: dict[str, Any]) -> None:
     path.write_text(json.dumps({**result, "load_average_1m": os.getloadavg()[0]}, indent=2) + "\n")
 
 
+def done(verdict: dict[str, Any]) -> str:
+    """Issue #31's done-when in words, from `verdict()`."""
+    if verdict["best"] is None:
+        return "no method but none reached it"
+    ratio = verdict["auto_vs_best"]
+    auto = "auto not there (or not run)" if ratio is None else f"auto {ratio:.2f}x its time"
+    met = "met" if verdict["met"] else "not met"
+    return (
+        f"{verdict['best']} first, in {verdict['wall_s_vs_none']:.2f}x none's time with "
+        f"{verdict['comm_bytes_vs_none']:.3f}x its bytes; {auto} (<= 1/3, <= 1/10, <= 1.2x: {met})"
+    )
+
+
 def main() -> None:
     """Parse the arguments, run the benchmark, write the JSON, print the table (the one docs/how-to/compression.md
     generates from it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--job", choices=JOBS, default="quickstart", help="what to train (see above; quickstart)")
     parser.add_argument("--epochs", type=int, default=8, help="per run (default 8: `auto` would make 14, see above)")
     parser.add_argument("--images", type=int, default=720, help="of the 1,797 digits (see the docstring; 720)")
-    parser.add_argument("--methods", default="none,fp16,powersgd,topk,localsgd", help="comma-separated; none first")
+    parser.add_argument("--methods", default=METHODS, help=f"comma-separated; none first (default {METHODS})")
     parser.add_argument("--rate", default="20mbit", help="tbf rate on both ends of each link (default 20mbit)")
     parser.add_argument("--delay-ms", type=float, default=60.0, help="device egress delay (default 60 = 30 each way)")
     parser.add_argument("--queue-ms", type=float, default=50.0, help="tbf queue before drops (default 50)")
     parser.add_argument("--mtu", type=int, default=65000)
     parser.add_argument("--link-seconds", type=float, default=2.0, help="of each bulk transfer of the link check")
-    parser.add_argument("--kill-at-step", type=int, default=22, help="node-loss run: kill then (0: no such run)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "train_cluster_weaklink.json")
+    parser.add_argument("--kill-at-step", type=int, default=22, help="node-loss run, quickstart: kill then (0: none)")
+    parser.add_argument("--out", type=Path, help="the JSON (default benchmarks/results/<the job's>.json); plot beside")
     args = parser.parse_args()
     args.methods = args.methods.split(",")
     if args.methods[0] != "none":
         parser.error("--methods must start with none: speed-ups and accuracy are measured against it")
+    args.job_name, args.job = args.job, JOBS[args.job]
+    args.out = args.out or RESULTS / f"{args.job.results}.json"
     if why := unavailable() or harness_unavailable(network=True):
         sys.exit(f"error: {why}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the with-blocks still tear everything down
-    result = {"devices": DEVICES, "ranks_per_device": 1, "model": "small_cnn"}
-    result |= {"data": f"{args.images} digits as PNG @16px, synced"}
+    result = {"job": args.job_name, "devices": DEVICES, "ranks_per_device": 1, "model": args.job.model}
+    result |= {"data": f"{args.images} digits as PNG @{args.job.image_size}px, synced"}
     result |= {"epochs": args.epochs, "rate": args.rate, "device_egress_delay_ms": args.delay_ms, "mtu": args.mtu}
     result |= {"queue_ms": args.queue_ms, "cpus": os.cpu_count()}
     with tempfile.TemporaryDirectory() as tmp:
         bench(args, Path(tmp), result)
     print(table(result))
-    print(f"best: {result['best']} (fastest within 1 point of none)")
+    print(f"best: {result['best']} (fastest a step within 1 point of none)")
+    print(f"time to none's final accuracy {result['target_accuracy']:.4f}: {done(result['time_to_accuracy'])}")
 
 
 if __name__ == "__main__":

@@ -70,7 +70,9 @@ def train_throughput(data: dict[str, Any]) -> str:
 
 def train_cluster_weaklink(data: dict[str, Any]) -> str:
     """4 stand-in Jetsons on a WiFi-like link, one run a row: mean s/step after warm-up, speed-up against `none`,
-    bytes a step, accuracy, what starting the run sent (code + data), and what crossed the links' host ends."""
+    bytes a step, accuracy, what starting the run sent (code + data), and what crossed the links' host ends; then
+    the wall seconds, collective bytes and link bytes until the run's first validation at or above none's final
+    accuracy, each with its ratio to none's."""
     rows = []
     for r in data["runs"]:
         sent = r["bytes_sent"]["code"] + r["bytes_sent"]["data"]
@@ -84,11 +86,25 @@ def train_cluster_weaklink(data: dict[str, Any]) -> str:
                 f"{r['val_accuracy']:.4f}",
                 f"{sent / 1e6:.2f} MB",
                 f"{out / 1e6:.1f} / {back / 1e6:.1f} MB",
+                to_none_accuracy(r, "wall_s", 1, "{:.0f} s"),
+                to_none_accuracy(r, "comm_bytes", 1e6, "{:.2f} MB"),
+                to_none_accuracy(r, "link_bytes", 1e6, "{:.1f} MB"),
             ]
         )
     header = ["run", "s/step", "speed-up vs none", "KB/step", "val accuracy", "code + data sent"]
-    header.append("link bytes out / back")
-    return table(header, rows, right=(1, 2, 3, 4, 5, 6))
+    header += ["link bytes out / back", "to none's accuracy", "collective bytes to it", "link bytes to it"]
+    return table(header, rows, right=tuple(range(1, len(header))))
+
+
+def to_none_accuracy(run: dict[str, Any], key: str, scale: float, form: str) -> str:
+    """`run`'s `key` at its first validation at or above none's final accuracy, divided by `scale` and written with
+    `form`, and its ratio to none's; `never` when it did not get there, `–` in results from before this was
+    measured."""
+    if "to_target" not in run:
+        return "–"
+    if run["to_target"] is None:
+        return "never"
+    return f"{form.format(run['to_target'][key] / scale)} ({run['to_target_vs_none'][key]:.2f}x)"
 
 
 def train_compression(data: dict[str, Any]) -> str:
@@ -187,6 +203,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "export_latency": lambda: export_latency(load("export_latency")),
     "train_throughput": lambda: train_throughput(load("train_throughput")),
     "train_cluster_weaklink": lambda: train_cluster_weaklink(load("train_cluster_weaklink")),
+    "train_cluster_weaklink_bandwidth": lambda: train_cluster_weaklink(load("train_cluster_weaklink_bandwidth")),
     "train_compression": lambda: train_compression(load("train_compression")),
     "train_compression_defaults_now": lambda: train_compression(load("train_compression_defaults_now")),
     "train_compression_localsgd": lambda: train_compression(load("train_compression_localsgd")),
