@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,11 @@ from pipeline.fleet.inventory import SshTarget
 FAILURES = (OSError, asyncssh.Error, asyncio.TimeoutError)
 CONNECT_TIMEOUT_S = 15
 KEEPALIVE_S = 5
+"""Seconds without a word from the device before the controller sends it a keepalive."""
+LINK_TIMEOUT_S = 15
+"""Seconds a device may stay silent before its connection counts as lost, unless the caller says otherwise: three
+unanswered keepalives, what a deploy or a check waits. The SSH training job passes `train.link_timeout_s`, long
+enough to ride out a WiFi blackout."""
 
 
 class Refused(Exception):
@@ -66,14 +72,16 @@ def remote_command(command: str, timeout_s: int) -> str:
 class Device:
     """An open SSH connection to one target: `async with Device(target) as dev: await dev.run(...)`."""
 
-    def __init__(self, target: SshTarget, command_timeout_s: int = 300) -> None:
+    def __init__(self, target: SshTarget, command_timeout_s: int = 300, link_timeout_s: int = LINK_TIMEOUT_S) -> None:
         self.target = target
         self.command_timeout_s = command_timeout_s
+        self.link_timeout_s = link_timeout_s
+        """Seconds the device may be silent before the connection is closed as lost (see `connect`)."""
         self._conn: asyncssh.SSHClientConnection | None = None
         self._sftp: asyncssh.SFTPClient | None = None
 
     async def __aenter__(self) -> Device:
-        self._conn = await connect(self.target)
+        self._conn = await connect(self.target, self.link_timeout_s)
         return self
 
     async def __aexit__(
@@ -147,8 +155,9 @@ def _text(value: str | bytes | None) -> str:
     return value or ""
 
 
-async def connect(target: SshTarget) -> asyncssh.SSHClientConnection:
-    """Open a connection with the host key checked against `target.known_hosts` (or trusted on first use)."""
+async def connect(target: SshTarget, link_timeout_s: int = LINK_TIMEOUT_S) -> asyncssh.SSHClientConnection:
+    """Open a connection with the host key checked against `target.known_hosts` (or trusted on first use), closed as
+    lost once the device has been silent for `link_timeout_s` (to within one keepalive interval more)."""
     options = {
         "host": target.host,
         "port": target.port,
@@ -156,7 +165,7 @@ async def connect(target: SshTarget) -> asyncssh.SSHClientConnection:
         "client_keys": [client_key(target)],
         "connect_timeout": CONNECT_TIMEOUT_S,
         "keepalive_interval": KEEPALIVE_S,
-        "keepalive_count_max": 3,
+        "keepalive_count_max": max(1, math.ceil(link_timeout_s / KEEPALIVE_S)),
         "agent_path": None,
         "config": [],
     }
