@@ -207,6 +207,10 @@ class TrainConfig(Section):
     pg_timeout_s: int = Field(1800, ge=1, le=30 * 86400)
     """Seconds a collective may wait for a peer before the process group gives up (`init_process_group(timeout)`);
     raise it on links that black out for a while."""
+    link_timeout_s: int = Field(120, ge=15, le=30 * 86400)
+    """With `inventory`: seconds a device may be silent (a WiFi blackout) before the SSH job counts it as gone. One
+    back within it trains on in the same round, its ranks' collectives having waited for it; one silent for longer
+    leaves, and the job goes on without it (`devices`). At most `pg_timeout_s`: the collectives must outlast it."""
     env: dict[EnvName, str] = Field(default_factory=dict)
     """Environment for the ranks, under the libraries' own variable names, e.g. `NCCL_SOCKET_IFNAME`,
     `GLOO_SOCKET_IFNAME`, `TORCH_NCCL_ASYNC_ERROR_HANDLING`, `NCCL_IB_DISABLE`; applied on top of the caller's. The
@@ -266,6 +270,16 @@ class TrainConfig(Section):
                     f"train.env.{name}: looks like a secret, and train.env is written into the run's config.json: "
                     f"export it here and list {name} in train.pass_env instead"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _collectives_outlast_the_link(self) -> TrainConfig:
+        if self.inventory is not None and self.pg_timeout_s < self.link_timeout_s:
+            raise ValueError(
+                f"train.pg_timeout_s ({self.pg_timeout_s}) is below train.link_timeout_s ({self.link_timeout_s}): "
+                "the ranks would give up on a silent device the job still waits for; raise pg_timeout_s or lower "
+                "link_timeout_s"
+            )
         return self
 
     def passed_env(self) -> dict[str, str]:
