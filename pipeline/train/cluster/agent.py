@@ -6,6 +6,10 @@ own, so a process group does not reach them: docs/torch-distributed.md#workers-o
 marked process when the controller closes the session's stdin, when the SSH connection drops (the controller was
 killed, the link died), when the remote `timeout` fires, and when the agent exits. Nothing outlives the controller's
 interest in it.
+
+A blackout is not a drop: the device's sshd hears nothing while its link is silent, so the wrapper and its ranks
+wait, as the controller does for `train.link_timeout_s`. Once the controller has given up, the device learns it when
+the link is back (the controller's end answers with a reset) or when its own TCP stops retrying (about 15 minutes).
 """
 
 from __future__ import annotations

@@ -35,6 +35,8 @@ POLL_S = 2.0
 """Seconds between the controller's looks at the devices: a new checkpoint to copy, the last step, a device back."""
 REJOIN_EVERY_S = 10.0
 """Seconds between attempts to reach a device that left."""
+TCP_RTO_MAX_S = 120
+"""Linux's TCP_RTO_MAX: once a link is back from a blackout, the longest its connections wait to send again."""
 PREPARE_FAILURES = (*FAILURES, upload.UploadFailed, PipelineError)
 """What preparing a device's run directory fails with when the device cannot take it: a transfer or a command that
 failed there (no space left, the link lost), an upload that would not verify."""
@@ -119,7 +121,7 @@ class Job:
         """Train to the end in rounds, the rendezvous store on `port`; returns what summary.json adds about the
         cluster."""
         self.port = port
-        members = [await Node.connect(check, self.key, port) for check in self.ready]
+        members = [await Node.connect(check, self.key, port, self.cfg.train.link_timeout_s) for check in self.ready]
         try:
             while True:
                 self.rounds += 1
@@ -149,7 +151,7 @@ class Job:
         for check in end.joining:
             self.events.append(Event("joined", check.target.name, now, self.last_step, resumed))
             self.away = [c for c in self.away if c.target.name != check.target.name]
-            left.append(await Node.connect(check, self.key, self.port))
+            left.append(await Node.connect(check, self.key, self.port, self.cfg.train.link_timeout_s))
         if len(left) < self.minimum:
             gone = ", ".join(n.name for n in end.lost)
             raise PipelineError(
@@ -229,7 +231,8 @@ class Job:
             await self._finish(members)
             return RoundEnd(finished=True)
         await asyncio.gather(*(node.stop() for node in members))
-        lost = [n for n in members if not await n.alive()]
+        answers = await asyncio.gather(*(n.alive() for n in members))
+        lost = [n for n, alive in zip(members, answers, strict=True) if not alive]
         if not lost:
             codes = ", ".join(f"{name} {code}" for name, code in statuses.items())
             raise PipelineError(f"train: the agents failed ({codes}) with every device still reachable; see above")
@@ -238,13 +241,16 @@ class Job:
     def _script(self, node: Node, nnodes: int) -> str:
         """The wrapper that starts `node`'s agent in this round of `nnodes` devices."""
         target = node.check.target
+        patience = self.cfg.train.link_timeout_s + TCP_RTO_MAX_S
         torchrun = [
             *("--nproc-per-node", str(target.nproc_per_node), "--nnodes", f"{nnodes}:{nnodes}"),
             *("--rdzv-backend", "c10d", "--rdzv-id", f"{self.key}-{self.rounds}"),
             # The controller's store, through this device's SSH connection; no agent hosts one
             # (docs/torch-distributed.md#choosing-the-rendezvous-host, docs/security.md#the-rendezvous-store).
             *("--rdzv-endpoint", f"127.0.0.1:{node.store_port}"),
-            *("--rdzv-conf", "is_host=0,join_timeout=120", "--max-restarts", "0"),
+            # A device's rendezvous and store operations pass through its link: they wait out a blackout the job
+            # rides out, and TCP's wait to send again once the link is back.
+            *("--rdzv-conf", f"is_host=0,join_timeout={patience},read_timeout={patience}", "--max-restarts", "0"),
         ]
         return agent_script(node.run_dir, target.python, torchrun, self.token, target.addr)
 

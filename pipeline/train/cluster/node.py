@@ -39,13 +39,14 @@ class Node:
     proc: asyncssh.SSHClientProcess[str] | None = None
 
     @classmethod
-    async def connect(cls, check: NodeCheck, key: str, store_port: int) -> Node:
-        """Open the device's connection, and a port on the device's loopback forwarded through it to the
-        controller's rendezvous store on `store_port` (docs/security.md#the-rendezvous-store); the device's run
-        directory is named `key` (the job's, the same on every device)."""
+    async def connect(cls, check: NodeCheck, key: str, store_port: int, link_timeout_s: int) -> Node:
+        """Open the device's connection, lost once the device is silent for `link_timeout_s`, and a port on the
+        device's loopback forwarded through it to the controller's rendezvous store on `store_port`
+        (docs/security.md#the-rendezvous-store); the device's run directory is named `key` (the job's, the same on
+        every device)."""
         target = check.target
         try:
-            dev = await Device(target, command_timeout_s=300).__aenter__()
+            dev = await Device(target, command_timeout_s=300, link_timeout_s=link_timeout_s).__aenter__()
         except Refused as err:
             raise refusal(target, err) from None
         except FAILURES as err:  # it answered the check a moment ago
@@ -89,9 +90,10 @@ class Node:
         return done.exit_status
 
     async def alive(self) -> bool:
-        """True when the device still answers a command."""
+        """True when the device still answers a command. A silent one is given as long as its link may be silent
+        (a blackout is not its end); one whose connection was lost answers False at once."""
         try:
-            return (await asyncio.wait_for(self.dev.run("true", timeout_s=10), timeout=15)).ok
+            return (await self.dev.run("true", timeout_s=self.dev.link_timeout_s)).ok
         except FAILURES:
             return False
 
