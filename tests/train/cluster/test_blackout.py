@@ -77,7 +77,7 @@ def test_a_device_silent_for_less_than_the_link_timeout_is_still_there(
     target = load_inventory(inventory(fleet)).targets[0]
 
     async def ask_through_a_blackout() -> tuple[bool, float, bool]:
-        node = await Node.connect(NodeCheck(target), "blackout", store_port=9, link_timeout_s=40)
+        node = await Node.connect(NodeCheck(target), "blackout", 1, link_timeout_s=40)  # port 1: no store
         try:
             began = cut(fleet["node-1"])
             loop = asyncio.get_running_loop()

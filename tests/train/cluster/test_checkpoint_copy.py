@@ -24,6 +24,7 @@ from pipeline.errors import PipelineError
 from pipeline.files import write_json
 from pipeline.fleet import upload
 from pipeline.fleet.inventory import SshTarget, load_inventory
+from pipeline.fleet.ssh import LINK_TIMEOUT_S
 from pipeline.train.cluster import NodeCheck
 from pipeline.train.cluster import node as node_module
 from pipeline.train.cluster.agent import Printer
@@ -84,7 +85,7 @@ def test_a_device_offering_a_climbing_file_name_is_named_and_nothing_is_written(
 
 
 async def _get_checkpoint(target: SshTarget, part: Path) -> None:
-    node = await Node.connect(NodeCheck(target), "job", 1)  # port 1: no store, files only
+    node = await Node.connect(NodeCheck(target), "job", 1, LINK_TIMEOUT_S)  # port 1: no store, files only
     try:
         await node.get_checkpoint(STEP, part)
     finally:
@@ -102,7 +103,7 @@ def test_a_checkpoint_copied_back_is_on_disk_before_latest_moves(jetson_fleet, t
     log = tmp_path / "collect.strace"
 
     async def collect() -> None:
-        node = await Node.connect(NodeCheck(target), job.key, 1)
+        node = await Node.connect(NodeCheck(target), job.key, 1, LINK_TIMEOUT_S)
         try:
             with durability.attached(os.getpid(), log):
                 await job._collect_newest([node])

@@ -20,7 +20,7 @@ from pipeline.config import load_config
 from pipeline.errors import PipelineError
 from pipeline.files import read_json
 from pipeline.fleet.inventory import SshTarget, load_inventory
-from pipeline.fleet.ssh import Device
+from pipeline.fleet.ssh import LINK_TIMEOUT_S, Device
 from pipeline.train.cluster import NodeCheck, nodedata
 from pipeline.train.cluster.node import Node
 from pipeline.train.cluster.rounds import _node_data
@@ -85,7 +85,7 @@ def test_opening_a_device_later_with_an_unusable_key_is_one_line(tmp_path: Path)
         target = SshTarget(name="node-9", host="127.0.0.1", port=9, key=key, known_hosts=known_hosts)
         expected = rf"^node-9: refused: key {key}: not a usable private key"
         with pytest.raises(PipelineError, match=expected):
-            asyncio.run(Node.connect(NodeCheck(target), "run-key", 1))
+            asyncio.run(Node.connect(NodeCheck(target), "run-key", 1, LINK_TIMEOUT_S))
         with pytest.raises(PipelineError, match=expected):
             asyncio.run(_node_data([target], load_config(), "code-id"))
 
