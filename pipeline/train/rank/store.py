@@ -3,7 +3,8 @@
 torch's TCPStore server listens on every interface, whatever host name it is given, and torch.distributed unpickles
 what its elastic rendezvous reads from the store: a store reachable from the WiFi hands root on every device to
 anyone on it (docs/security.md#the-rendezvous-store). So every store of a job is served on a socket bound here, to one
-address, and handed to torch with `master_listen_fd` (libuv backend, torch's default since 2.4):
+address, and handed to torch with `master_listen_fd` (the libuv backend takes one from torch 2.8, the legacy one
+before):
 
 - the rendezvous store, hosted by the controller (the launcher, or the SSH job) on 127.0.0.1; devices reach it through
   the SSH connection the controller already holds (a remote port forward), so it is never on the network;
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import re
 import socket
 
 import torch
@@ -29,11 +29,6 @@ from pipeline.errors import PipelineError
 LIBUV_TAKES_A_SOCKET = (2, 8)
 """The first torch whose libuv TCPStore serves a socket handed to it (pytorch/pytorch#150215); before it, only the
 legacy backend does, and libuv refuses with NotImplementedError (torch 2.5, on JetPack 6)."""
-
-
-def _release(version: str) -> tuple[int, int]:
-    major, minor = re.findall(r"\d+", version)[:2]
-    return int(major), int(minor)
 
 
 def bound_socket(host: str, port: int = 0) -> socket.socket:
@@ -54,7 +49,7 @@ def serve(host: str, port: int = 0, world_size: int | None = None, timeout_s: fl
         "wait_for_workers": world_size is not None,
         "master_listen_fd": sock.fileno(),
     }
-    libuv = _release(torch.__version__) >= LIBUV_TAKES_A_SOCKET
+    libuv = torch.__version__ >= LIBUV_TAKES_A_SOCKET  # TorchVersion compares with a tuple
     store = dist.TCPStore(host, sock.getsockname()[1], world_size, **options, use_libuv=libuv)
     sock.detach()  # the store owns the descriptor from here on, and closes it
     return store

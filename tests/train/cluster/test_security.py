@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import layout
+from pipeline.config import toml_value
 from pipeline.files import read_json
 from tests.harness import JetsonFleet, fixtures
 from tests.harness.jetsons import JetsonTarget
@@ -63,11 +64,11 @@ for port in map(int, sys.argv[3:]):
 """
 
 
-def attack_from(attacker: object, host_ip: str, ports: list[int], python: str) -> str:
+def attack_from(attacker: JetsonTarget, host_ip: str, ports: list[int], python: str) -> str:
     """Run the store attack from the attacker's network namespace against `host_ip` on each of `ports`."""
     payload = base64.b64encode(pickle.dumps(_Exploit())).decode()
     argv = " ".join([python, "-c", _quote(ATTACK), host_ip, payload, *map(str, ports)])
-    return attacker.run(argv, check=False).stdout  # type: ignore[attr-defined]
+    return attacker.run(argv, check=False).stdout
 
 
 def _quote(text: str) -> str:
@@ -83,7 +84,7 @@ def run_attacked_job(jetson_fleet: Callable[..., JetsonFleet], tmp_path: Path, d
     inv = fleet.write_inventory(names=["node-1", "node-2"], extra={"node-1": training, "node-2": training})
     run_dir = tmp_path / "run $(touch PWNED_DIR);x"
     cmd = pipeline_cmd("train", "--inventory", str(inv), "--run-dir", str(run_dir), "--set", "train.epochs=3",
-                       "--set", f"train.env={{HOSTILE = {_toml(HOSTILE_VALUE)}}}",
+                       "--set", f"train.env={{HOSTILE = {toml_value(HOSTILE_VALUE)}}}",
                        "--set", 'train.pass_env=["PIPELINE_TEST_TOKEN"]')  # fmt: skip
     env = {**os.environ, "PIPELINE_TEST_TOKEN": TOKEN}
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, text=True, start_new_session=True,
@@ -130,12 +131,6 @@ def run_attacked_job(jetson_fleet: Callable[..., JetsonFleet], tmp_path: Path, d
     leaked = [p for p in run_dir.rglob("*") if p.is_file() and TOKEN.encode() in p.read_bytes()]
     assert leaked == [] and TOKEN not in out + err, leaked
     assert marked_processes(fleet) == []
-
-
-def _toml(text: str) -> str:
-    from pipeline.config import toml_value
-
-    return toml_value(text)
 
 
 @pytest.mark.slow  # `make test` runs the same attacks on Python 3.10 / torch 2.5 devices (test_oldest_torch.py)
