@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import re
 import shlex
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ import asyncssh
 
 from pipeline import layout
 from pipeline.errors import PipelineError
-from pipeline.files import first_line
+from pipeline.files import first_line, parse_json
 from pipeline.fleet import upload
 from pipeline.fleet.ssh import FAILURES, Device, Refused
 from pipeline.train.cluster import NodeCheck, agent, nodedata, refusal
@@ -177,8 +176,8 @@ class Node:
 def _metrics_step(line: str) -> int:
     """The step of a metrics line from the device; -1 for anything else (the device's word is not trusted)."""
     try:
-        step = json.loads(line).get("step", -1)
-    except (ValueError, AttributeError, RecursionError):
+        step = parse_json(line, "a device's metrics line").get("step", -1)
+    except (PipelineError, AttributeError):
         return -1
     return step if type(step) is int else -1
 
