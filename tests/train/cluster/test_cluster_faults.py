@@ -151,6 +151,7 @@ def test_a_device_whose_disk_cannot_take_the_data_leaves_and_the_other_trains(
     assert marked_processes(fleet) == []
 
 
+@pytest.mark.slow  # the quick suite keeps to 10 minutes; its branch is one refusal after _prepare
 def test_a_device_needed_whose_disk_cannot_take_the_data_is_one_line(jetson_fleet, forwarding, tmp_path: Path) -> None:
     fleet = start_cluster(jetson_fleet, 2)
     fleet["node-2"].resize_disk("1m")
