@@ -180,7 +180,7 @@ def test_a_checkpoint_and_its_rng_file_are_on_disk_before_latest_moves(tmp_path:
     assert durability.unsynced_publishes(log, root) == []
 
 
-@pytest.mark.slow  # the quick suite keeps to 10 min; the unreadable-rng tests below cover the check itself
+@pytest.mark.slow  # the quick suite keeps to 10 min; the unreadable-rng tests in this file cover the check itself
 def test_resume_from_an_emptied_rng_file_is_one_line_through_the_cli(tmp_path: Path) -> None:
     """Train the quickstart for an epoch, empty rank 0's RNG file in the latest checkpoint (as a power cut leaves a
     file written in place), resume: exit 2, one line naming the file, no traceback, no rank started."""
