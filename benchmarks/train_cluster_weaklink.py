@@ -1,7 +1,7 @@
 """Cluster training over SSH on 4 stand-in Jetsons, each on a busy-WiFi link: 20 Mbit/s with 30 ms each way.
 
     python benchmarks/train_cluster_weaklink.py [--job quickstart|bandwidth] [--epochs 8]
-        [--methods none,fp16,powersgd,topk,localsgd,diloco,auto] [--out PATH.json]
+        [--methods none,star,fp16,powersgd,topk,localsgd,diloco,auto] [--out PATH.json]
 
 What it measures (issues #14 and #31), with `pipeline train --inventory` as a user runs it:
 
@@ -28,11 +28,14 @@ What it measures (issues #14 and #31), with `pipeline train --inventory` as a us
   and data unchanged), from the upload's own `bytes_sent` (summary.json) and from the host ends' link counters
   (/sys/class/net/jetN/statistics/{tx,rx}_bytes, summed), split at the first and the last training step.
 
-Two jobs (`--job`), each into its own results file, on the same link, data and epoch count, at default knobs:
+Two jobs (`--job`), each into its own results file, on the same link, data and epoch count, at default knobs. The
+methods that average models rather than gradients (`localsgd`, `diloco`) train twice the epochs, as
+`train.epochs = "auto"` gives them (their Method record's `epochs_factor`): time to accuracy, not the epoch count,
+decides between methods.
 
 - `quickstart` (train_cluster_weaklink.json; latency-bound): configs/quickstart.toml's small_cnn at 16 px, global
   batch 64, lr 1e-2; 8 epochs set, the quickstart's count (`auto` would train 14 on these 576 training images, to
-  reach 120 optimizer steps). Its 20k parameters are 81 KB a step, some 50 ms at 20 Mbit/s against 0.88 s a step
+  reach 120 optimizer steps). Its 20k parameters are 81 KB a step, some 50 ms at 20 Mbit/s against 0.75 s a step
   of all-reduce rounds between devices 121 ms apart. After the methods, `none` twice more: unchanged (what a second
   start sends) and losing a node (above).
 - `bandwidth` (train_cluster_weaklink_bandwidth.json; bandwidth-bound): mobilenet_v3_small at 32 px (the digits
@@ -103,6 +106,7 @@ from benchmarks.weaklink import measure_path, start_shim, stop_shim, tun_lines, 
 from pipeline import layout  # noqa: E402
 from pipeline.config import toml_value  # noqa: E402
 from pipeline.files import read_json  # noqa: E402
+from pipeline.train.compression import registry  # noqa: E402
 from tests.harness import DeviceLink, JetsonFleet, JetsonTarget, harness_unavailable, network  # noqa: E402
 from tests.train.cluster.test_cluster import inventory, marked_processes, pipeline_cmd, start_cluster  # noqa: E402
 from tests.train.cluster.test_cluster_elastic import Output  # noqa: E402
@@ -112,7 +116,7 @@ DEVICES = 4
 POLL_S = 0.1
 """How often the watcher reads the link counters and the devices' metrics.jsonl: the resolution of its times."""
 RUN_TIMEOUT_S = 1800
-METHODS = "none,fp16,powersgd,topk,localsgd,diloco,auto"
+METHODS = "none,star,fp16,powersgd,topk,localsgd,diloco,auto"
 
 
 @dataclass(frozen=True)
@@ -293,6 +297,8 @@ def settings(job: Job, method: str, epochs: int, data: Path, devices: str) -> li
     # crops down to 35% of the area, which on 8x8 digits held the accuracy near 0.6 after 6 epochs.
     values["data.augment"] = False
     values |= {"model.name": job.model, "data.image_size": job.image_size}
+    # What `train.epochs = "auto"` gives each method where it gives DDP `epochs` (pipeline/train/rank/plan.py).
+    epochs *= registry.METHODS[method].epochs_factor
     values |= {"train.epochs": epochs, "train.compression": method, "train.devices": devices}
     return [arg for key, value in values.items() for arg in ("--set", f"{key}={toml_value(value)}")]
 
@@ -545,7 +551,7 @@ def main() -> None:
     generates from it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--job", choices=JOBS, default="quickstart", help="what to train (see above; quickstart)")
-    parser.add_argument("--epochs", type=int, default=8, help="per run (default 8: `auto` would make 14, see above)")
+    parser.add_argument("--epochs", type=int, default=8, help="DDP's (default 8: `auto` would make 14, see above)")
     parser.add_argument("--images", type=int, default=720, help="of the 1,797 digits (see the docstring; 720)")
     parser.add_argument("--methods", default=METHODS, help=f"comma-separated; none first (default {METHODS})")
     parser.add_argument("--rate", default="20mbit", help="tbf rate on both ends of each link (default 20mbit)")

@@ -182,6 +182,10 @@ class TrainConfig(Section):
     """`diloco`: Nesterov momentum of the outer step, carried from one outer step to the next. DiLoCo's 0.9 was
     tuned for hundreds of inner steps; at 8 it lost 2 points on the quickstart
     (docs/measurements.md#diloco-outer-step)."""
+    outer_int8: bool = True
+    """`diloco`: send the outer step's change in 8 bits (one fp32 scale per tensor) with error feedback, as
+    `localsgd_int8` does: a quarter of the bytes, and on the cluster benchmark's job the same accuracy
+    (docs/measurements.md#diloco-epochs-and-defaults). The first outer step, with no shared anchor yet, is fp32."""
     compression_auto_every_steps: int = Field(20, ge=1)
     """`auto`: steps between measurements. Each times the steps since the last; the link itself (an all-reduce of
     4 bytes and of 512 KiB) is timed only when the running method's own communication time has moved by half, or at

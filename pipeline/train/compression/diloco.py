@@ -4,9 +4,11 @@ step), as DiLoCo does (Douillard et al., "DiLoCo: Distributed Low-Communication 
 arXiv:2311.08105, Algorithm 1: outer Nesterov SGD, learning rate 0.7; its momentum 0.9 is for hundreds of inner
 steps, and the default here is 0.5: docs/measurements.md#diloco-outer-step).
 
-One all-reduce per outer step, of the fp32 parameters' size, like `localsgd`; the outer momentum is what local SGD
-lacks: the averaged change is a gradient of the outer problem, and momentum on it lets the models move further per
-round of communication. The gradient hook is local SGD's (plain all-reduce during warm-up, nothing after).
+One collective per outer step, of the parameters' size: in 8 bits by default (`outer_int8`), else in fp32 through the
+faster of a ring and a star; the outer momentum is what local SGD lacks: the averaged change is a gradient of the
+outer problem, and momentum on it lets the models move further per round of communication. The gradient hook is
+local SGD's, with no warm-up: no gradient is ever all-reduced. `train.epochs = "auto"` gives it twice the epochs
+(docs/measurements.md#diloco-epochs-and-defaults).
 """
 
 import torch
@@ -14,18 +16,30 @@ import torch.distributed as dist
 
 from pipeline.train.compression import localsgd
 from pipeline.train.compression.method import Averager, Knobs, Method
+from pipeline.train.rank import collectives
 
 
 class OuterStep:
     """The outer optimizer: every `period` steps after warm-up, average the ranks' change since the anchor (the
     parameters after the last outer step, the same on every rank) and step the anchor by Nesterov SGD on it; every
-    rank then continues from the new anchor. The first outer step, with no anchor yet, only averages the models."""
+    rank then continues from the new anchor. The first outer step, with no anchor yet, only averages the models.
+
+    The change goes in fp32 through the faster of a ring all-reduce and a star (measured at the first outer step:
+    collectives.Fastest), or with `int8` in 8 bits with error feedback (localsgd.Int8Mean)."""
 
     def __init__(
-        self, period: int, warmup_steps: int, lr: float, momentum: float, group: dist.ProcessGroup | None = None
+        self,
+        period: int,
+        warmup_steps: int,
+        lr: float,
+        momentum: float,
+        group: dist.ProcessGroup | None = None,
+        int8: bool = False,
     ) -> None:
         self.schedule = localsgd.Schedule(period, warmup_steps)
         self.lr, self.momentum, self.group = lr, momentum, group
+        self.collective = collectives.Fastest(group)
+        self.int8 = localsgd.Int8Mean(group) if int8 else None
         self.anchor: list[torch.Tensor] = []
         self.velocity: list[torch.Tensor] = []
 
@@ -42,9 +56,7 @@ class OuterStep:
         moved = (
             [p.detach().clone() for p in params] if first else [a - p for a, p in zip(self.anchor, params, strict=True)]
         )
-        flat = torch.cat([m.flatten() for m in moved]).div_(dist.get_world_size(self.group))
-        dist.all_reduce(flat, group=self.group)
-        mean = [f.view_as(p) for f, p in zip(flat.split([p.numel() for p in params]), params, strict=True)]
+        mean, sent = self._mean(moved, first)
         if first:
             self.anchor = [m.clone() for m in mean]
             self.velocity = [torch.zeros_like(m) for m in mean]
@@ -54,18 +66,30 @@ class OuterStep:
                 a.sub_(g.add(v, alpha=self.momentum), alpha=self.lr)  # Nesterov: g + momentum * v
         for p, a in zip(params, self.anchor, strict=True):
             p.copy_(a)
-        return flat.numel() * flat.element_size()
+        return sent
+
+    def _mean(self, moved: list[torch.Tensor], first: bool) -> tuple[list[torch.Tensor], int]:
+        """The mean of `moved` over the ranks, and the bytes sent (the first, whole models, always in fp32)."""
+        if self.int8 is not None and not first:
+            return self.int8.mean(moved)
+        flat = torch.cat([m.flatten() for m in moved]).div_(dist.get_world_size(self.group))
+        self.collective.all_reduce(flat)
+        mean = [f.view_as(m) for f, m in zip(flat.split([m.numel() for m in moved]), moved, strict=True)]
+        return mean, flat.numel() * flat.element_size()
 
 
 def _outer(knobs: Knobs, group: dist.ProcessGroup | None) -> Averager:
     train = knobs.train
-    return OuterStep(train.localsgd_period, knobs.warmup_steps, train.outer_lr, train.outer_momentum, group)
+    return OuterStep(
+        train.localsgd_period, knobs.warmup_steps, train.outer_lr, train.outer_momentum, group, train.outer_int8
+    )
 
 
 METHOD = Method(
     name="diloco",
     about="Local training; every `localsgd_period` steps an outer Nesterov step on the averaged change (DiLoCo).",
     hook=localsgd.METHOD.hook,
-    warms_up=True,
+    warms_up=False,  # a warm-up of plain all-reduce cost more bytes than it saved epochs (docs/measurements.md)
     after_step=_outer,
+    epochs_factor=2,
 )

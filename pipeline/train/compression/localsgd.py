@@ -62,16 +62,44 @@ class Fp32Averager:
         return sum(p.numel() * p.element_size() for p in params) if due else 0
 
 
+class Int8Mean:
+    """The mean over ranks of each rank's tensors (how far its model moved), sent in 8 bits: one int8 per entry and
+    one fp32 scale per tensor, all-gathered, with error feedback (what rounding left out is added to the next
+    call's tensors). Every rank sums the same gathered payloads in the same order, so the means are bit-identical."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.residual: list[torch.Tensor] = []
+
+    @torch.no_grad()
+    def mean(self, changes: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+        """The mean of `changes` over the ranks, and the bytes this rank sent."""
+        world = dist.get_world_size(self.group)
+        residual = self.residual or [torch.zeros_like(c) for c in changes]
+        deltas = [c + r for c, r in zip(changes, residual, strict=True)]
+        scales = torch.stack([d.abs().max() for d in deltas]).float().div_(127).clamp_(min=1e-30)
+        quantised = [d.div(s).round_().clamp_(-127, 127).to(torch.int8) for d, s in zip(deltas, scales, strict=True)]
+        self.residual = [d - q.to(d.dtype) * s for d, q, s in zip(deltas, quantised, scales, strict=True)]
+        payload = torch.cat([torch.cat([q.flatten() for q in quantised]), scales.view(torch.int8)])
+        parts = [torch.empty_like(payload) for _ in range(world)]
+        dist.all_gather(parts, payload, group=self.group)
+        n = payload.numel() - scales.numel() * 4
+        mean = [torch.zeros_like(c) for c in changes]
+        for part in parts:
+            their_scales = part[n:].clone().view(torch.float32)
+            for m, q, s in zip(mean, part[:n].split([c.numel() for c in changes]), their_scales, strict=True):
+                m.add_(q.view_as(m).to(m.dtype) * s)
+        return [m.div_(world) for m in mean], payload.numel()
+
+
 class Int8DeltaAverager:
-    """Local SGD's periodic averaging in 8 bits: each rank sends how far each tensor moved since the last average
-    (its anchor, the same on every rank), quantised to int8 with one fp32 scale per tensor, keeping the rounding
-    error for the next averaging (error feedback). Every rank sums the same gathered payloads in the same order, so
-    the averaged parameters are identical on all. The first averaging, with no anchor yet, is in fp32."""
+    """Local SGD's periodic averaging in 8 bits: each rank sends how far its model moved since the last average (its
+    anchor, the same on every rank) through :class:`Int8Mean`. The first averaging, with no anchor yet, is in fp32."""
 
     def __init__(self, period: int, warmup_steps: int, group: dist.ProcessGroup | None = None) -> None:
         self.schedule, self.group = Schedule(period, warmup_steps), group
+        self.int8 = Int8Mean(group)
         self.anchor: list[torch.Tensor] = []
-        self.residual: list[torch.Tensor] = []
 
     def average(self, params: list[torch.Tensor]) -> int:
         """Average when due; the bytes sent."""
@@ -86,29 +114,15 @@ class Int8DeltaAverager:
         for p, avg in zip(params, flat.split([p.numel() for p in params]), strict=True):
             p.copy_(avg.view_as(p))
         self.anchor = [p.detach().clone() for p in params]
-        self.residual = [torch.zeros_like(p) for p in params]
         return flat.numel() * flat.element_size()
 
     @torch.no_grad()
     def _deltas(self, params: list[torch.Tensor]) -> int:
-        world = dist.get_world_size(self.group)
-        deltas = [p - a + r for p, a, r in zip(params, self.anchor, self.residual, strict=True)]
-        scales = torch.stack([d.abs().max() for d in deltas]).float().div_(127).clamp_(min=1e-30)
-        quantised = [d.div(s).round_().clamp_(-127, 127).to(torch.int8) for d, s in zip(deltas, scales, strict=True)]
-        self.residual = [d - q.to(d.dtype) * s for d, q, s in zip(deltas, quantised, scales, strict=True)]
-        payload = torch.cat([torch.cat([q.flatten() for q in quantised]), scales.view(torch.int8)])
-        parts = [torch.empty_like(payload) for _ in range(world)]
-        dist.all_gather(parts, payload, group=self.group)
-        n = payload.numel() - scales.numel() * 4
-        mean = [torch.zeros_like(a) for a in self.anchor]
-        for part in parts:
-            their_scales = part[n:].clone().view(torch.float32)
-            for m, q, s in zip(mean, part[:n].split([a.numel() for a in self.anchor]), their_scales, strict=True):
-                m.add_(q.view_as(m).to(m.dtype) * s)
+        mean, sent = self.int8.mean([p - a for p, a in zip(params, self.anchor, strict=True)])
         for p, a, m in zip(params, self.anchor, mean, strict=True):
-            p.copy_(a + m.div_(world))
+            p.copy_(a + m)
             a.copy_(p)
-        return payload.numel()
+        return sent
 
 
 def _averager(knobs: Knobs, group: dist.ProcessGroup | None) -> Averager:
@@ -122,4 +136,5 @@ METHOD = Method(
     hook=_hook,
     warms_up=True,
     after_step=_averager,
+    epochs_factor=2,
 )

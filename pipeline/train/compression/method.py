@@ -154,6 +154,10 @@ class Method:
     """Whether `auto` may switch to it at any step (a gradient hook; not local SGD, which averages models)."""
     after_step: AveragerFactory | None = None
     """What runs after each optimizer step (local SGD's averaging)."""
+    epochs_factor: int = 1
+    """`train.epochs = "auto"` gives it this many times the epochs it gives the others: averaging models every few
+    steps learns less an epoch than averaging every gradient, and where it pays off (a slow link) its epochs cost a
+    fraction of theirs (docs/measurements.md#diloco-epochs-and-defaults)."""
     refuses: Refusal = _never
     """Why it cannot work on a model, checked before training."""
     install: Installer | None = None

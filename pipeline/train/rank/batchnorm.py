@@ -20,6 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from pipeline.train.rank import collectives
+
 GAP_WARNING = 0.2
 """Eval-mode accuracy this far below train-mode accuracy on the same images is reported as a warning."""
 
@@ -69,12 +71,10 @@ def recalibrate(
         for layer, momentum in zip(layers, momenta, strict=True):
             layer.momentum = momentum
         model.train(was_training)
-    world = dist.get_world_size()
-    for layer in layers:
-        for stat in (layer.running_mean, layer.running_var):
-            assert stat is not None  # track_running_stats
-            dist.all_reduce(stat)
-            stat.div_(world)
+    stats = [stat for layer in layers for stat in (layer.running_mean, layer.running_var) if stat is not None]
+    collectives.all_reduce_flat(stats)
+    for stat in stats:
+        stat.div_(dist.get_world_size())
     return seen
 
 
@@ -85,6 +85,12 @@ class ModeCheck:
     eval_accuracy: float
     train_mode_accuracy: float
     images: int
+
+    @classmethod
+    def from_counts(cls, counts: torch.Tensor) -> ModeCheck:
+        """From :func:`mode_counts`' three numbers (summed over ranks by the caller)."""
+        right_eval, right_batch, total = counts.tolist()
+        return cls(right_eval / max(total, 1), right_batch / max(total, 1), int(total))
 
     @property
     def warning(self) -> str:
@@ -99,9 +105,11 @@ class ModeCheck:
 
 
 @torch.no_grad()
-def check_modes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast: Autocast) -> ModeCheck | None:
-    """Predict `x` in eval mode and again with BatchNorm on batch statistics (dropout stays off), summed over
-    all ranks; the running statistics are left as they were. None for a model without BatchNorm.
+def mode_counts(model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast: Autocast) -> torch.Tensor | None:
+    """Predict `x` in eval mode and again with BatchNorm on batch statistics (dropout stays off): this rank's
+    (right in eval mode, right in train mode, images), float64, for the caller to sum over ranks with whatever else
+    it reduces (one collective: see .collectives); the running statistics are left as they were. None for a model
+    without BatchNorm.
 
     Every rank must call this (two forwards each, collective under FSDP).
     """
@@ -124,9 +132,4 @@ def check_modes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast: Au
             layer.running_var.copy_(var)  # type: ignore[union-attr]
             layer.num_batches_tracked.copy_(count)  # type: ignore[union-attr]
         model.train(was_training)
-    counts = torch.tensor(
-        [(eval_pred == y).sum(), (batch_pred == y).sum(), len(y)], dtype=torch.float64, device=x.device
-    )
-    dist.all_reduce(counts)
-    right_eval, right_batch, total = counts.tolist()
-    return ModeCheck(right_eval / max(total, 1), right_batch / max(total, 1), int(total))
+    return torch.tensor([(eval_pred == y).sum(), (batch_pred == y).sum(), len(y)], dtype=torch.float64, device=x.device)

@@ -132,14 +132,15 @@ def _state(model: nn.Module, optim: Optimizer) -> dict[str, Any]:
     return {"model": model_sd, "optim": optim_sd}
 
 
-def background(setting: bool | None, device: torch.device) -> bool:
-    """Whether saves run in the background: as `setting` says, else only when training on CUDA.
+def background(setting: bool | None, device: torch.device, across_nodes: bool) -> bool:
+    """Whether saves run in the background: as `setting` says, else when training on CUDA or across nodes.
 
-    On CPU ranks that use every core, a writer thread takes turns with training. Measured with 2 ranks on 2 cores,
-    whole runs took longer in the background: small_cnn 0.82-0.95 s against 0.72-0.79 s, resnet18 10.4-10.8 s
-    against 9.9 s.
+    On CPU ranks that use every core of one node, a writer thread takes turns with training. Measured with 2 ranks
+    on 2 cores, whole runs took longer in the background: small_cnn 0.82-0.95 s against 0.72-0.79 s, resnet18
+    10.4-10.8 s against 9.9 s. Across nodes a save waits on the link for its dozen collectives instead
+    (docs/measurements.md#background-checkpoints-on-cpu).
     """
-    return device.type == "cuda" if setting is None else setting
+    return (device.type == "cuda" or across_nodes) if setting is None else setting
 
 
 class Checkpointer:
@@ -162,7 +163,8 @@ class Checkpointer:
     def save(self, model: nn.Module, optim: Optimizer, meta: dict[str, Any]) -> Path:
         """Checkpoint step `meta["step"]` into `step-<N>/` on all ranks; returns before it is written when
         asynchronous, after it is committed otherwise."""
-        self.wait()  # the previous save is committed before the next one starts
+        if self.group is not None:  # a foreground save was committed, and the ranks met, before it returned
+            self.wait()  # the previous save is committed before the next one starts
         target = self.root / f"step-{meta['step']}"
         if dist.get_rank() == 0:
             # A crash after a previous save of this step (resumed from an older one) leaves stale shards behind.

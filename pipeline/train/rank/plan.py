@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from pipeline.config import TrainConfig
+from pipeline.train.compression import registry
 
 BATCH = 64
 """The batch `auto` starts from: what the quickstart's digits train with."""
@@ -72,7 +73,11 @@ def plan(train: TrainConfig, train_size: int, world_size: int, pretrained: bool)
     if epochs == "auto":
         steps = steps_per_epoch(train_size, batch, world_size)
         epochs = max(EPOCHS, math.ceil(MIN_STEPS / steps))
-        why.append(f"train.epochs auto: {epochs} (at least {MIN_STEPS} optimizer steps, {steps} an epoch)")
+        line = f"train.epochs auto: {epochs} (at least {MIN_STEPS} optimizer steps, {steps} an epoch)"
+        if (factor := registry.method(train).epochs_factor) > 1:
+            epochs *= factor
+            line = f"{line[:-1]}; {factor}x that for {train.compression}, which averages models)"
+        why.append(line)
     lr = train.lr
     if lr == "auto":
         lr = FINETUNE_LR if pretrained else SCRATCH_LR

@@ -21,6 +21,7 @@ from pipeline.config import TrainConfig
 from pipeline.errors import PipelineError
 from pipeline.train.compression import registry
 from pipeline.train.compression.method import CommCounter, Compression
+from pipeline.train.rank import collectives
 from pipeline.train.rank.fsdp2 import NEEDS_CUDA, FSDPModule, MixedPrecisionPolicy, fully_shard
 from pipeline.train.rank.runtime import Runtime
 
@@ -178,7 +179,10 @@ def wrap(
     # One bucket for the blocking methods; DDP's default 25 MiB buckets let plain all-reduces overlap the backward.
     blocking = registry.method(cfg).blocking
     one_bucket = math.ceil(_nbytes(list(model.parameters())) / 2**20) + 1 if blocking else None
-    ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=one_bucket)
+    # No buffer broadcast before each forward: rank 0's running statistics come out the same without it (it keeps
+    # its own), and sync_buffers copies them to every rank before evaluation and checkpoints. It was a collective
+    # every step (docs/measurements.md#collectives-on-a-weak-link).
+    ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=one_bucket, broadcast_buffers=False)
     return ddp, registry.install(ddp, cfg, warmup)
 
 
@@ -197,7 +201,6 @@ def sync_buffers(model: nn.Module) -> None:
 
     DDP broadcasts them at the start of each forward, but every rank then updates its own copy with its own
     batch (FSDP never syncs them); syncing before evaluation and checkpoints makes all ranks evaluate and save
-    the same model.
+    the same model. One broadcast for all of them (see .collectives).
     """
-    for buf in unwrap(model).buffers():
-        dist.broadcast(buf, src=0)
+    collectives.broadcast_flat(list(unwrap(model).buffers()), src=0)

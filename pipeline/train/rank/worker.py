@@ -29,7 +29,18 @@ from pipeline.files import write_json
 from pipeline.library_warnings import route_library_warnings
 from pipeline.manifest import RunDir
 from pipeline.train.compression import registry
-from pipeline.train.rank import batchnorm, checkpoint, finetune, plan, runtime, sampling, stepping, strategy, thermal
+from pipeline.train.rank import (
+    batchnorm,
+    checkpoint,
+    collectives,
+    finetune,
+    plan,
+    runtime,
+    sampling,
+    stepping,
+    strategy,
+    thermal,
+)
 from pipeline.train.rank.metrics import MetricsLog
 from pipeline.train.rank.runtime import Runtime
 
@@ -130,7 +141,8 @@ class Trainer:
         self.frozen_steps = self.cfg.model.freeze_epochs * self.steps_per_epoch
         self.bn_images = 0
         self.modes: batchnorm.ModeCheck | None = None
-        background = checkpoint.background(train.checkpoint_async, self.rt.device)
+        across_nodes = self.rt.world_size > int(os.environ.get("LOCAL_WORLD_SIZE", self.rt.world_size))
+        background = checkpoint.background(train.checkpoint_async, self.rt.device, across_nodes)
         self.checkpointer = checkpoint.Checkpointer(self.ckpt_root, train.keep_checkpoints, background)
         self.samples = 0
         self.train_seconds = 0.0
@@ -159,13 +171,15 @@ class Trainer:
             print(f"resuming from {found.name} (epoch {epoch + 1}, batch {batch})", file=sys.stderr)
         return epoch, meta["step"], batch
 
-    def save(self, epoch: int, step: int, next_batch: int) -> None:
-        """Checkpoint on all ranks; `epoch` is the one in progress (done when `next_batch` is 0)."""
+    def save(self, epoch: int, step: int, next_batch: int, synced: bool = False) -> None:
+        """Checkpoint on all ranks; `epoch` is the one in progress (done when `next_batch` is 0); `synced`: the
+        buffers are already rank 0's (:func:`strategy.sync_buffers` since the last step)."""
         done = epoch if next_batch == 0 else epoch - 1
         meta = {"epoch": done, "step": step, "world_size": self.rt.world_size, "next_epoch": done + 1}
         meta |= {"next_batch": next_batch, "scaler": self.scaler.state_dict()}
         meta["resume_key"] = checkpoint.resume_key(self.cfg)
-        strategy.sync_buffers(self.model)  # DCP saves one rank's copy of replicated buffers: make them all rank 0's
+        if not synced:  # DCP saves one rank's copy of replicated buffers: make them all rank 0's
+            strategy.sync_buffers(self.model)
         self.checkpointer.save(self.model, self.optim, meta)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, lr: float) -> float:
@@ -261,9 +275,10 @@ class Trainer:
         return step
 
     @torch.no_grad()
-    def validate(self) -> tuple[float, float]:
-        """(accuracy, mean loss) over the whole validation split, each rank evaluating its own shard."""
-        strategy.sync_buffers(self.model)
+    def evaluate(self) -> tuple[float, float, batchnorm.ModeCheck | None]:
+        """(accuracy, mean loss) over the whole validation split, each rank evaluating its own shard, and the
+        eval-against-train-mode check on each rank's first training batch (rank 0 warns), summed over the ranks in
+        one all-reduce (.collectives says why one). Buffers must be in sync (:meth:`sync_buffers`)."""
         net = strategy.unwrap(self.model).eval()
         totals = torch.zeros(3, dtype=torch.float64, device=self.rt.device)
         for x, y in self.val_loader:
@@ -275,10 +290,17 @@ class Trainer:
             totals[2] += F.cross_entropy(logits, y, reduction="sum")
         if strategy.is_sharded(net):
             self._match_forwards(net, len(self.val_loader))
-        dist.all_reduce(totals)
         net.train()
-        correct, count, loss_sum = totals.tolist()
-        return correct / max(count, 1), loss_sum / max(count, 1)
+        x, y = next(iter(self.plain_loader))
+        micro = math.ceil(len(x) / self.thermal.accumulation)  # one micro-batch: what training fits in memory
+        modes = batchnorm.mode_counts(net, x[:micro].to(self.rt.device), y[:micro].to(self.rt.device), self.rt.autocast)
+        both = totals if modes is None else torch.cat([totals, modes])
+        collectives.star_all_reduce(both)
+        correct, count, loss_sum = both[:3].tolist()
+        check = None if modes is None else batchnorm.ModeCheck.from_counts(both[3:])
+        if check is not None and check.warning and self.rt.is_main:
+            tqdm.write(f"warning: {check.warning}", sys.stderr)
+        return correct / max(count, 1), loss_sum / max(count, 1), check
 
     def _match_forwards(self, net: torch.nn.Module, done: int) -> None:
         """FSDP forwards gather parameters collectively: run throwaway ones until every rank has run as many."""
@@ -296,24 +318,12 @@ class Trainer:
         seen = batchnorm.recalibrate(net, self.plain_loader, batches, self.rt.device, self.rt.autocast, pieces)
         self.bn_images = seen * self.rt.world_size
 
-    def check_modes(self) -> batchnorm.ModeCheck | None:
-        """Eval mode against batch statistics on the first batch of each rank's training images; rank 0 warns."""
-        x, y = next(iter(self.plain_loader))
-        micro = math.ceil(len(x) / self.thermal.accumulation)  # one micro-batch: what training fits in memory
-        x, y = x[:micro], y[:micro]
-        check = batchnorm.check_modes(
-            strategy.unwrap(self.model), x.to(self.rt.device), y.to(self.rt.device), self.rt.autocast
-        )
-        if check is not None and check.warning and self.rt.is_main:
-            tqdm.write(f"warning: {check.warning}", sys.stderr)
-        return check
-
     def end_epoch(self, epoch: int, step: int, log: MetricsLog | None) -> float:
         """Recompute BatchNorm statistics, validate, compare eval and train mode, log and checkpoint after `epoch`;
         returns the validation accuracy."""
         self.recalibrate(epoch)
-        accuracy, val_loss = self.validate()
-        self.modes = self.check_modes()
+        strategy.sync_buffers(self.model)
+        accuracy, val_loss, self.modes = self.evaluate()
         if log is not None:
             row = {"epoch": epoch, "epochs": self.plan.epochs, "val_accuracy": accuracy, "val_loss": val_loss}
             row["bn_images"] = self.bn_images
@@ -322,7 +332,7 @@ class Trainer:
                 row |= {"train_mode_accuracy": self.modes.train_mode_accuracy}
             log.write(row)
             tqdm.write(f"epoch {epoch + 1}: val_accuracy {accuracy:.4f} val_loss {val_loss:.4f}", sys.stderr)
-        self.save(epoch, step, next_batch=0)
+        self.save(epoch, step, next_batch=0, synced=True)
         return accuracy
 
     def fit(self) -> dict[str, Any]:
@@ -345,8 +355,8 @@ class Trainer:
             if log is not None:
                 log.close()
         if accuracy is None:  # every epoch was already done: report what the checkpoint scores
-            accuracy, _ = self.validate()
-            self.modes = self.check_modes()
+            strategy.sync_buffers(self.model)
+            accuracy, _, self.modes = self.evaluate()
         modes = self.modes
         return {
             "epochs": self.plan.epochs,

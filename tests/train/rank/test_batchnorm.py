@@ -21,6 +21,12 @@ def plain() -> contextlib.AbstractContextManager[object]:
     return contextlib.nullcontext()
 
 
+def check_modes(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> batchnorm.ModeCheck | None:
+    """The eval-mode check on one process (the worker sums the counts over ranks)."""
+    counts = batchnorm.mode_counts(model, x, y, plain)
+    return None if counts is None else batchnorm.ModeCheck.from_counts(counts)
+
+
 @pytest.fixture
 def one_rank(tmp_path: Path) -> Iterator[None]:
     """A gloo group of one process, for the all-reduces."""
@@ -46,7 +52,7 @@ def offsets_data(n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_stale_statistics_are_caught_and_recalibration_makes_eval_mode_match(one_rank: None) -> None:
     model, (x, y) = offsets_model(), offsets_data()
-    stale = batchnorm.check_modes(model, x, y, plain)
+    stale = check_modes(model, x, y)
     assert stale is not None
     assert (stale.eval_accuracy, stale.train_mode_accuracy, stale.images) == (0.5, 1.0, 64)
     assert "far below train-mode accuracy" in stale.warning and "bn_recalibration_batches" in stale.warning
@@ -60,7 +66,7 @@ def test_stale_statistics_are_caught_and_recalibration_makes_eval_mode_match(one
     assert torch.allclose(model[0].running_var, batch_vars.mean(0))
     assert model[0].momentum == 0.01 and model.training
 
-    fixed = batchnorm.check_modes(model, x, y, plain)
+    fixed = check_modes(model, x, y)
     assert fixed is not None and fixed.eval_accuracy == fixed.train_mode_accuracy == 1.0 and fixed.warning == ""
 
 
@@ -68,7 +74,7 @@ def test_a_model_without_batchnorm_is_left_alone(one_rank: None) -> None:
     model = nn.Sequential(nn.Flatten(), nn.Linear(32, 2))
     x, y = offsets_data()
     assert batchnorm.recalibrate(model, [(x, y)], batches=4, device=CPU, autocast=plain) == 0
-    assert batchnorm.check_modes(model, x, y, plain) is None
+    assert check_modes(model, x, y) is None
 
 
 def _rank_data(rank: int) -> torch.Tensor:

@@ -73,10 +73,11 @@ def test_only_a_checkpoint_of_the_same_data_and_model_is_resumable(tmp_path: Pat
         checkpoint.resumable(tmp_path, other)
 
 
-def test_saves_run_in_the_background_on_cuda_unless_the_config_says_otherwise() -> None:
+def test_saves_run_in_the_background_on_cuda_or_across_nodes_unless_the_config_says_otherwise() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert [checkpoint.background(None, cpu), checkpoint.background(None, cuda)] == [False, True]
-    assert [checkpoint.background(True, cpu), checkpoint.background(False, cuda)] == [True, False]
+    assert [checkpoint.background(None, cpu, False), checkpoint.background(None, cuda, False)] == [False, True]
+    assert checkpoint.background(None, cpu, across_nodes=True)
+    assert [checkpoint.background(True, cpu, False), checkpoint.background(False, cuda, True)] == [True, False]
 
 
 MODES = {"async": True, "sync": False}
