@@ -396,15 +396,17 @@ def validations_seen(samples: list[Sample], start: float) -> list[tuple[float, i
 
 def accuracy_curve(records: list[dict[str, Any]], seen: list[tuple[float, int]]) -> list[dict[str, Any]]:
     """One point per validation line of metrics.jsonl `records`: its epoch, the step before it, its accuracy, the
-    bytes rank 0 handed to collectives until then (the step lines' `comm_bytes`, summed), and `seen`'s wall seconds
-    and link bytes for it."""
+    bytes rank 0 handed to collectives until then (the step and epoch lines' `comm_bytes`, summed: an epoch line's
+    are the averaging that made the ranks' models one before validation), and `seen`'s wall seconds and link bytes
+    for it."""
     points: list[dict[str, Any]] = []
     step = sent = 0
     for r in records:
+        sent += r.get("comm_bytes", 0)
         if "val_accuracy" in r:
             points.append({"epoch": r["epoch"], "step": step, "val_accuracy": r["val_accuracy"], "comm_bytes": sent})
         else:
-            step, sent = r.get("step", step), sent + r.get("comm_bytes", 0)
+            step = r.get("step", step)
     return [p | {"wall_s": t, "link_bytes": b} for p, (t, b) in zip(points, seen, strict=True)]
 
 

@@ -51,6 +51,9 @@ def test_each_validation_gets_the_bytes_sent_before_it_and_its_seen_time() -> No
     ]
     with pytest.raises(ValueError):  # a validation the watcher never saw: a benchmark bug, not a number
         accuracy_curve(metrics([0.5, 0.9], bytes_per_step=10), [(1.5, 111)])
+    settled = metrics([0.5, 0.9], bytes_per_step=10)
+    settled[2]["comm_bytes"] = 7  # the averaging before the first validation, on its epoch line
+    assert [p["comm_bytes"] for p in accuracy_curve(settled, [(1.5, 111), (3.0, 222)])] == [27, 47]
 
 
 def test_time_and_bytes_to_nones_final_accuracy_against_nones_and_the_verdict() -> None:

@@ -49,6 +49,12 @@ class OuterStep:
             return 0
         return self._step(params)
 
+    def settle(self, params: list[torch.Tensor]) -> int:
+        """Take an outer step now unless the models are one already (the last step took one); the bytes sent."""
+        if not self.schedule.settled():
+            return 0
+        return self._step(params)
+
     @torch.no_grad()
     def _step(self, params: list[torch.Tensor]) -> int:
         first = not self.anchor

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.distributed.algorithms.model_averaging.utils import average_parameters
 
 from pipeline.train.compression.method import Averager, CommCounter, CommHook, Knobs, Method
 
@@ -40,12 +41,22 @@ class Schedule:
 
     def __init__(self, period: int, warmup_steps: int) -> None:
         self.period, self.warmup_steps, self.step = period, warmup_steps, 0
+        self.in_sync = True
+        """Whether the ranks' models are one now: during warm-up (DDP all-reduces the gradients) and right after an
+        averaging."""
 
     def tick(self) -> bool:
         """Count a step; whether the model is averaged at it."""
         due = self.step >= self.warmup_steps and (self.step - self.warmup_steps) % self.period == 0
         self.step += 1
+        self.in_sync = due or self.step <= self.warmup_steps
         return due
+
+    def settled(self) -> bool:
+        """Whether an averaging is needed to make the models one (and, if so, count it as done)."""
+        needed = not self.in_sync
+        self.in_sync = True
+        return needed
 
 
 class Fp32Averager:
@@ -60,6 +71,13 @@ class Fp32Averager:
         due = self.schedule.tick()
         self.inner.average_parameters(params)
         return sum(p.numel() * p.element_size() for p in params) if due else 0
+
+    def settle(self, params: list[torch.Tensor]) -> int:
+        """Average now unless the models are one already; the bytes sent."""
+        if not self.schedule.settled():
+            return 0
+        average_parameters(iter(params), self.inner.process_group)
+        return sum(p.numel() * p.element_size() for p in params)
 
 
 class Int8Mean:
@@ -104,6 +122,12 @@ class Int8DeltaAverager:
     def average(self, params: list[torch.Tensor]) -> int:
         """Average when due; the bytes sent."""
         if not self.schedule.tick():
+            return 0
+        return self._deltas(params) if self.anchor else self._first(params)
+
+    def settle(self, params: list[torch.Tensor]) -> int:
+        """Average now unless the models are one already; the bytes sent."""
+        if not self.schedule.settled():
             return 0
         return self._deltas(params) if self.anchor else self._first(params)
 

@@ -75,6 +75,11 @@ class Averager(Protocol):
         """Average `params` across ranks when due; the bytes handed to collectives (0 when not due)."""
         ...
 
+    def settle(self, params: list[torch.Tensor]) -> int:
+        """Average now, unless the ranks' models are already one (warm-up, or the last step averaged them); the
+        bytes handed to collectives."""
+        ...
+
 
 class Bucket(Protocol):
     """The parts of DDP's GradBucket a method reads (a :class:`LocalBucket` stands in when timing an encoder)."""
@@ -185,6 +190,15 @@ class Compression:
         sent = self.averager.average([p for p in model.parameters() if p.requires_grad])
         if sent:
             self.counter.add(sent, time.perf_counter() - start)
+
+    def settle(self, model: nn.Module) -> int:
+        """Make every rank's model the same before it is validated and saved: the models of a method that
+        averages them every few steps differ in between, and each rank validates its own share of the images and
+        saves its own share of the tensors (DCP), so without this the accuracy and the checkpoint would be a
+        blend of different models. Returns the bytes sent (0 for the gradient methods, always in sync)."""
+        if self.averager is None:
+            return 0
+        return self.averager.settle([p for p in model.parameters() if p.requires_grad])
 
     def ran(self, seconds: float) -> None:
         """Account a finished step's wall time to the method that ran it."""

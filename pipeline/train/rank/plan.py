@@ -73,11 +73,11 @@ def plan(train: TrainConfig, train_size: int, world_size: int, pretrained: bool)
     if epochs == "auto":
         steps = steps_per_epoch(train_size, batch, world_size)
         epochs = max(EPOCHS, math.ceil(MIN_STEPS / steps))
-        line = f"train.epochs auto: {epochs} (at least {MIN_STEPS} optimizer steps, {steps} an epoch)"
+        line = f"at least {MIN_STEPS} optimizer steps, {steps} an epoch"
         if (factor := registry.method(train).epochs_factor) > 1:
             epochs *= factor
-            line = f"{line[:-1]}; {factor}x that for {train.compression}, which averages models)"
-        why.append(line)
+            line += f"; {factor}x that for {train.compression}, which averages models"
+        why.append(f"train.epochs auto: {epochs} ({line})")
     lr = train.lr
     if lr == "auto":
         lr = FINETUNE_LR if pretrained else SCRATCH_LR

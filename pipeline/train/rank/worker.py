@@ -321,11 +321,13 @@ class Trainer:
     def end_epoch(self, epoch: int, step: int, log: MetricsLog | None) -> float:
         """Recompute BatchNorm statistics, validate, compare eval and train mode, log and checkpoint after `epoch`;
         returns the validation accuracy."""
+        settled = self.comm.settle(self.model)
         self.recalibrate(epoch)
         strategy.sync_buffers(self.model)
         accuracy, val_loss, self.modes = self.evaluate()
         if log is not None:
             row = {"epoch": epoch, "epochs": self.plan.epochs, "val_accuracy": accuracy, "val_loss": val_loss}
+            row["comm_bytes"] = settled
             row["bn_images"] = self.bn_images
             if self.modes is not None:
                 row |= {"eval_mode_accuracy": self.modes.eval_accuracy}

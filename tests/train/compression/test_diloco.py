@@ -54,3 +54,56 @@ def test_the_outer_step_is_nesterov_on_the_averaged_change(tmp_path: Path) -> No
         anchor = [a - LR * (g + MOMENTUM * v) for a, g, v in zip(anchor, grad, velocity, strict=True)]
         torch.testing.assert_close([torch.tensor(p) for p in ranks[0]["after"][round_]], anchor)
     assert ranks[0]["sent"] == [4 * (100 + 3)] * 3  # one fp32 all-reduce of the parameters per outer step
+
+
+def int8_outer_steps(root: Path) -> None:
+    """As two_outer_steps, with the same moves, but the change goes in 8 bits (`outer_int8`, the default)."""
+    runtime.init(validate({}, "test").train)
+    try:
+        rank = dist.get_rank()
+        params = [torch.randn(20, 5, generator=torch.Generator().manual_seed(rank)), torch.zeros(3)]
+        outer = diloco.OuterStep(period=1, warmup_steps=0, lr=LR, momentum=MOMENTUM, int8=True)
+        sent = [outer.average(params)]
+        for round_ in (1, 2):
+            gen = torch.Generator().manual_seed(100 * round_ + rank)  # two_outer_steps' moves
+            move = [torch.randn(p.shape, generator=gen) for p in params]
+            for p, m in zip(params, move, strict=True):
+                p.add_(m)
+            sent.append(outer.average(params))
+        (root / f"rank{rank}.json").write_text(json.dumps({"after": [p.tolist() for p in params], "sent": sent}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_int8_outer_steps_agree_on_every_rank_close_to_fp32_in_a_quarter_of_the_bytes(tmp_path: Path) -> None:
+    (tmp_path / "int8").mkdir()
+    (tmp_path / "fp32").mkdir()
+    int8 = rank_results(int8_outer_steps, tmp_path / "int8")
+    fp32 = rank_results(two_outer_steps, tmp_path / "fp32")
+    assert int8[0]["after"] == int8[1]["after"]  # the same gathered payloads, summed in the same order
+    for got, exact in zip(int8[0]["after"], fp32[0]["after"][-1], strict=True):
+        error = (torch.tensor(got) - torch.tensor(exact)).abs().max().item()
+        assert 0 < error < 0.1  # moves up to ~4: a few rounding steps of max/127, carried by error feedback
+    assert int8[0]["sent"] == [4 * (100 + 3), 100 + 3 + 2 * 4, 100 + 3 + 2 * 4]  # the first in fp32, then int8
+
+
+def settle_between_outer_steps(root: Path) -> None:
+    """On each rank: the first outer step, a move of its own that is not yet due for an outer step, then the epoch's
+    end settling it; then a second settle with nothing to do. Writes the parameters and the bytes of each call."""
+    runtime.init(validate({}, "test").train)
+    try:
+        rank = dist.get_rank()
+        params = [torch.randn(20, 5, generator=torch.Generator().manual_seed(rank))]
+        outer = diloco.OuterStep(period=4, warmup_steps=0, lr=LR, momentum=MOMENTUM)
+        sent = [outer.average(params)]
+        params[0].add_(torch.randn(20, 5, generator=torch.Generator().manual_seed(10 + rank)))
+        sent += [outer.average(params), outer.settle(params), outer.settle(params)]
+        (root / f"rank{rank}.json").write_text(json.dumps({"after": params[0].tolist(), "sent": sent}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_epochs_end_makes_the_ranks_models_one_with_an_outer_step_only_when_they_differ(tmp_path: Path) -> None:
+    ranks = rank_results(settle_between_outer_steps, tmp_path)
+    assert ranks[0]["after"] == ranks[1]["after"]
+    assert ranks[0]["sent"] == [400, 0, 400, 0]  # an outer step at the end of the epoch, then nothing to do

@@ -34,6 +34,16 @@ def test_the_batch_never_exceeds_the_split_nor_drops_below_16_a_rank_while_image
     assert plan(TrainConfig(), train_size=size, world_size=ranks, pretrained=False).batch_size == batch
 
 
+@pytest.mark.parametrize("method", ["diloco", "localsgd"])
+def test_methods_that_average_models_get_twice_the_auto_epochs_and_set_epochs_stay(method: str) -> None:
+    got = plan(TrainConfig(compression=method), train_size=1437, world_size=2, pretrained=False)
+    assert got.epochs == 16
+    why = f"train.epochs auto: 16 (at least 120 optimizer steps, 23 an epoch; 2x that for {method}, which averages"
+    assert got.why[1] == f"{why} models)"
+    assert plan(TrainConfig(compression=method, epochs=8), 1437, 2, pretrained=False).epochs == 8
+    assert plan(TrainConfig(compression="star"), 1437, 2, pretrained=False).epochs == 8
+
+
 def test_a_weights_file_trains_at_a_tenth_of_the_rate_and_set_values_stay() -> None:
     assert plan(TrainConfig(), 115, 2, pretrained=True).lr == 1e-3
     fixed = plan(TrainConfig(batch_size=10, epochs=3, lr=0.5), 115, 2, pretrained=True)
