@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
@@ -176,11 +177,14 @@ class Checkpointer:
         with atomic_path(target / f"rng-{dist.get_rank()}.pt") as tmp:
             torch.save(torch.get_rng_state(), tmp)
         state = _state(model, optim)
+        # Every replicated tensor (all of DDP's) in rank 0's file: a checkpoint is then whole without the files of the
+        # other ranks, so one that leaves after the save does not take the newest checkpoint with it.
+        planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
         if self.group is None:
             written: Future[Any] = Future()
-            written.set_result(dcp.save(state, checkpoint_id=target))
+            written.set_result(dcp.save(state, checkpoint_id=target, planner=planner))
         else:
-            written = dcp.async_save(state, checkpoint_id=target, process_group=self.group)
+            written = dcp.async_save(state, checkpoint_id=target, process_group=self.group, planner=planner)
         self._pending = (written, target, meta)
         if self.group is None:
             self.wait()

@@ -121,6 +121,10 @@ def test_a_checkpoint_holds_the_weights_of_its_step_and_latest_moves_once_it_is_
         expected = torch.load(tmp_path / f"{mode}.pt", weights_only=True)
         assert all(torch.equal(state["model"][k], expected[k]) for k in expected)
         assert sorted(p.name for p in (root / "step-1").glob("rng-*.pt")) == ["rng-0.pt", "rng-1.pt"]
+        # Every replicated tensor is in rank 0's file: the checkpoint is whole without any other rank's files (a
+        # cluster device that leaves after the save takes nothing the next round needs).
+        storage = dcp.FileSystemReader(root / "step-1").read_metadata().storage_data
+        assert {info.relative_path for info in storage.values()} == {"__0_0.distcp"}
 
 
 def _resumable_step(root: Path, cfg: Config) -> Path:
