@@ -69,7 +69,8 @@ def train_throughput(data: dict[str, Any]) -> str:
 
 
 def train_cluster_weaklink(data: dict[str, Any]) -> str:
-    """4 stand-in Jetsons on a WiFi-like link, one run a row: mean s/step after warm-up, speed-up against `none`,
+    """4 stand-in Jetsons on a WiFi-like link, one run a row: epochs trained (one validation each), mean s/step
+    after warm-up, speed-up against `none`,
     bytes a step, accuracy, what starting the run sent (code + data), and what crossed the links' host ends; then
     the wall seconds, collective bytes and link bytes until the run's first validation at or above none's final
     accuracy, each with its ratio to none's."""
@@ -80,6 +81,7 @@ def train_cluster_weaklink(data: dict[str, Any]) -> str:
         rows.append(
             [
                 r["run"],
+                str(len(r["curve"])) if "curve" in r else "–",
                 f"{r['s_per_step']:.3f}",
                 f"{r['speedup']:.2f}x",
                 f"{r['bytes_per_step'] / 1e3:.1f}",
@@ -91,7 +93,7 @@ def train_cluster_weaklink(data: dict[str, Any]) -> str:
                 to_none_accuracy(r, "link_bytes", 1e6, "{:.1f} MB"),
             ]
         )
-    header = ["run", "s/step", "speed-up vs none", "KB/step", "val accuracy", "code + data sent"]
+    header = ["run", "epochs", "s/step", "speed-up vs none", "KB/step", "val accuracy", "code + data sent"]
     header += ["link bytes out / back", "to none's accuracy", "collective bytes to it", "link bytes to it"]
     return table(header, rows, right=tuple(range(1, len(header))))
 

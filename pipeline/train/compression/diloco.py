@@ -95,7 +95,7 @@ METHOD = Method(
     name="diloco",
     about="Local training; every `localsgd_period` steps an outer Nesterov step on the averaged change (DiLoCo).",
     hook=localsgd.METHOD.hook,
-    warms_up=False,  # a warm-up of plain all-reduce cost more bytes than it saved epochs (docs/measurements.md)
+    warms_up=False,  # a warm-up cost more bytes than it saved epochs (docs/measurements.md#diloco-epochs-and-defaults)
     after_step=_outer,
     epochs_factor=2,
 )
