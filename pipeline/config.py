@@ -157,7 +157,9 @@ class TrainConfig(Section):
     compression_warmup_epochs: float = Field(1.0, ge=0.0)
     """Epochs of plain all-reduce before `powersgd`, `topk`, `sign`, `localsgd` or `auto` start: compressing the
     large gradients of the first steps costs accuracy (docs/measurements.md#compression-warm-up). Counted from the
-    run's first step: a resumed run goes on compressing (PowerSGD after 2 plain steps, to rebuild its buckets)."""
+    run's first step: a resumed run goes on compressing (PowerSGD after 2 plain steps, to rebuild its buckets).
+    `diloco` has none: its warm-up cost more bytes than it saved epochs
+    (docs/measurements.md#diloco-epochs-and-defaults)."""
     compression_warmup_steps: int | None = Field(None, ge=0)
     """Warm-up in optimizer steps instead of `compression_warmup_epochs` (`powersgd` and `auto` need >= 2); unset:
     epochs."""
@@ -170,7 +172,8 @@ class TrainConfig(Section):
     model, 1% but at least 2048 entries and at most 10% (small_cnn: 10%, resnet18 and resnet50: 1%;
     docs/measurements.md#top-k-how-many-entries)."""
     localsgd_period: int = Field(8, ge=1)
-    """`localsgd` and `diloco`: steps between model averagings (`diloco`: outer steps) after warm-up."""
+    """`localsgd` and `diloco`: steps between model averagings (`diloco`: outer steps) after warm-up; one more at
+    each epoch's end when the models differ, so that one model is validated and saved."""
     localsgd_int8: bool = False
     """`localsgd`: average each tensor's change since the last averaging in 8 bits (one fp32 scale per tensor) with
     error feedback, instead of the fp32 parameters: a quarter of the bytes on each averaging step (the first, with no

@@ -205,6 +205,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "export_latency": lambda: export_latency(load("export_latency")),
     "train_throughput": lambda: train_throughput(load("train_throughput")),
     "train_cluster_weaklink": lambda: train_cluster_weaklink(load("train_cluster_weaklink")),
+    "train_cluster_weaklink_bandwidth": lambda: train_cluster_weaklink(load("train_cluster_weaklink_bandwidth")),
     "train_compression": lambda: train_compression(load("train_compression")),
     "train_compression_defaults_now": lambda: train_compression(load("train_compression_defaults_now")),
     "train_compression_localsgd": lambda: train_compression(load("train_compression_localsgd")),

@@ -15,6 +15,7 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 from torch.distributed.algorithms.model_averaging.utils import average_parameters
 
 from pipeline.train.compression.method import Averager, CommCounter, CommHook, Knobs, Method
+from pipeline.train.rank import collectives
 
 
 def _hook(knobs: Knobs, group: dist.ProcessGroup | None, counter: CommCounter) -> tuple[Any, CommHook]:
@@ -133,12 +134,11 @@ class Int8DeltaAverager:
 
     @torch.no_grad()
     def _first(self, params: list[torch.Tensor]) -> int:
-        flat = torch.cat([p.flatten() for p in params]).div_(dist.get_world_size(self.group))
-        dist.all_reduce(flat, group=self.group)
-        for p, avg in zip(params, flat.split([p.numel() for p in params]), strict=True):
-            p.copy_(avg.view_as(p))
+        collectives.all_reduce_flat(params, self.group, star=False)
+        for p in params:
+            p.div_(dist.get_world_size(self.group))
         self.anchor = [p.detach().clone() for p in params]
-        return flat.numel() * flat.element_size()
+        return sum(p.numel() * p.element_size() for p in params)
 
     @torch.no_grad()
     def _deltas(self, params: list[torch.Tensor]) -> int:
