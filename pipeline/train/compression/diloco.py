@@ -14,9 +14,8 @@ local SGD's, with no warm-up: no gradient is ever all-reduced. `train.epochs = "
 import torch
 import torch.distributed as dist
 
-from pipeline.train.compression import localsgd
+from pipeline.train.compression import collectives, localsgd
 from pipeline.train.compression.method import Averager, Knobs, Method
-from pipeline.train.rank import collectives
 
 
 class OuterStep:

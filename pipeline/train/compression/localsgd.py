@@ -14,8 +14,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.distributed.algorithms.model_averaging.utils import average_parameters
 
+from pipeline.train.compression import collectives
 from pipeline.train.compression.method import Averager, CommCounter, CommHook, Knobs, Method
-from pipeline.train.rank import collectives
 
 
 def _hook(knobs: Knobs, group: dist.ProcessGroup | None, counter: CommCounter) -> tuple[Any, CommHook]:

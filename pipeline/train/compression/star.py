@@ -1,6 +1,6 @@
 """`star`: the full fp32 gradients summed through one rank (gathered to it, broadcast back) instead of DDP's ring
 all-reduce: two rounds whatever the number of ranks, against the ring's 2(n - 1). Exact, as `none`; faster where
-rounds cost more than bytes, slower on a large model over a thin link (pipeline/train/rank/collectives.py has the
+rounds cost more than bytes, slower on a large model over a thin link (pipeline/train/compression/collectives.py has the
 measurements).
 
 Not among `auto`'s choices yet: `auto` predicts from a timed ring all-reduce, whose latency is not the star's.
@@ -12,8 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeline.train.compression import collectives
 from pipeline.train.compression.method import CommCounter, CommHook, Knobs, Method, completed
-from pipeline.train.rank import collectives
 
 
 def _hook(knobs: Knobs, group: dist.ProcessGroup | None, counter: CommCounter) -> tuple[Any, CommHook]:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from pipeline.train.rank import collectives
+from pipeline.train.compression import collectives
 
 GAP_WARNING = 0.2
 """Eval-mode accuracy this far below train-mode accuracy on the same images is reported as a warning."""
@@ -108,8 +108,8 @@ class ModeCheck:
 def mode_counts(model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast: Autocast) -> torch.Tensor | None:
     """Predict `x` in eval mode and again with BatchNorm on batch statistics (dropout stays off): this rank's
     (right in eval mode, right in train mode, images), float64, for the caller to sum over ranks with whatever else
-    it reduces (one collective: see .collectives); the running statistics are left as they were. None for a model
-    without BatchNorm.
+    it reduces (one collective: see pipeline.train.compression.collectives); the running statistics are left as
+    they were. None for a model without BatchNorm.
 
     Every rank must call this (two forwards each, collective under FSDP).
     """

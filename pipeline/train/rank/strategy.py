@@ -19,9 +19,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pipeline.config import TrainConfig
 from pipeline.errors import PipelineError
-from pipeline.train.compression import registry
+from pipeline.train.compression import collectives, registry
 from pipeline.train.compression.method import CommCounter, Compression
-from pipeline.train.rank import collectives
 from pipeline.train.rank.fsdp2 import NEEDS_CUDA, FSDPModule, MixedPrecisionPolicy, fully_shard
 from pipeline.train.rank.runtime import Runtime
 
@@ -201,6 +200,6 @@ def sync_buffers(model: nn.Module) -> None:
 
     DDP broadcasts them at the start of each forward, but every rank then updates its own copy with its own
     batch (FSDP never syncs them); syncing before evaluation and checkpoints makes all ranks evaluate and save
-    the same model. One broadcast for all of them (see .collectives).
+    the same model. One broadcast for all of them (see pipeline.train.compression.collectives).
     """
     collectives.broadcast_flat(list(unwrap(model).buffers()), src=0)

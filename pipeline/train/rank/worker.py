@@ -28,11 +28,10 @@ from pipeline.errors import PipelineError
 from pipeline.files import write_json
 from pipeline.library_warnings import route_library_warnings
 from pipeline.manifest import RunDir
-from pipeline.train.compression import registry
+from pipeline.train.compression import collectives, registry
 from pipeline.train.rank import (
     batchnorm,
     checkpoint,
-    collectives,
     finetune,
     plan,
     runtime,
@@ -278,7 +277,8 @@ class Trainer:
     def evaluate(self) -> tuple[float, float, batchnorm.ModeCheck | None]:
         """(accuracy, mean loss) over the whole validation split, each rank evaluating its own shard, and the
         eval-against-train-mode check on each rank's first training batch (rank 0 warns), summed over the ranks in
-        one all-reduce (.collectives says why one). Buffers must be in sync (:meth:`sync_buffers`)."""
+        one all-reduce (pipeline.train.compression.collectives says why one). Buffers must be in sync
+        (strategy.sync_buffers)."""
         net = strategy.unwrap(self.model).eval()
         totals = torch.zeros(3, dtype=torch.float64, device=self.rt.device)
         for x, y in self.val_loader:

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from pipeline.config import validate
-from pipeline.train.rank import collectives, runtime
+from pipeline.train.compression import collectives
+from pipeline.train.rank import runtime
 from tests.train.ranks import run_ranks
 
 WORLD = 3
