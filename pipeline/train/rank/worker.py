@@ -319,8 +319,9 @@ class Trainer:
         self.bn_images = seen * self.rt.world_size
 
     def end_epoch(self, epoch: int, step: int, log: MetricsLog | None) -> float:
-        """Recompute BatchNorm statistics, validate, compare eval and train mode, log and checkpoint after `epoch`;
-        returns the validation accuracy."""
+        """Make the ranks' models one (the methods that average models: Compression.settle), recompute BatchNorm
+        statistics, validate, compare eval and train mode, log and checkpoint after `epoch`; returns the validation
+        accuracy."""
         settled = self.comm.settle(self.model)
         self.recalibrate(epoch)
         strategy.sync_buffers(self.model)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -16,32 +18,44 @@ from tests.train.compression.helpers import rank_results
 LR, MOMENTUM = 0.7, 0.9
 
 
-def two_outer_steps(root: Path) -> None:
+def two_outer_steps() -> dict[str, Any]:
     """On each rank: parameters of its own, made one by the first outer step; then two rounds of a rank-specific move
-    followed by an outer step. Writes the parameters after each outer step and the moves, and the bytes sent."""
+    followed by an outer step. The parameters after each outer step and the moves, and the bytes sent."""
+    rank = dist.get_rank()
+    params = [torch.randn(20, 5, generator=torch.Generator().manual_seed(rank)), torch.zeros(3)]
+    outer = diloco.OuterStep(period=1, warmup_steps=0, lr=LR, momentum=MOMENTUM)
+    sent = [outer.average(params)]
+    after = [[p.tolist() for p in params]]
+    moves = []
+    for round_ in (1, 2):
+        gens = [torch.Generator().manual_seed(100 * round_ + r) for r in (0, 1)]
+        move = [[torch.randn(p.shape, generator=g) for p in params] for g in gens]
+        moves.append([[m.tolist() for m in ms] for ms in move])
+        for p, m in zip(params, move[rank], strict=True):
+            p.add_(m)
+        sent.append(outer.average(params))
+        after.append([p.tolist() for p in params])
+    return {"after": after, "moves": moves, "sent": sent}
+
+
+def every_scenario(root: Path) -> None:
+    """On each rank, in one process group (one spawn for every test here): each scenario's results."""
     runtime.init(validate({}, "test").train)
     try:
-        rank = dist.get_rank()
-        params = [torch.randn(20, 5, generator=torch.Generator().manual_seed(rank)), torch.zeros(3)]
-        outer = diloco.OuterStep(period=1, warmup_steps=0, lr=LR, momentum=MOMENTUM)
-        sent = [outer.average(params)]
-        after = [[p.tolist() for p in params]]
-        moves = []
-        for round_ in (1, 2):
-            gens = [torch.Generator().manual_seed(100 * round_ + r) for r in (0, 1)]
-            move = [[torch.randn(p.shape, generator=g) for p in params] for g in gens]
-            moves.append([[m.tolist() for m in ms] for ms in move])
-            for p, m in zip(params, move[rank], strict=True):
-                p.add_(m)
-            sent.append(outer.average(params))
-            after.append([p.tolist() for p in params])
-        (root / f"rank{rank}.json").write_text(json.dumps({"after": after, "moves": moves, "sent": sent}))
+        out = {"fp32": two_outer_steps(), "int8": int8_outer_steps(), "settle": settle_between_outer_steps()}
+        (root / f"rank{dist.get_rank()}.json").write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
 
 
-def test_the_outer_step_is_nesterov_on_the_averaged_change(tmp_path: Path) -> None:
-    ranks = rank_results(two_outer_steps, tmp_path)
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """What each of the two ranks wrote."""
+    return rank_results(every_scenario, tmp_path_factory.mktemp("diloco"))
+
+
+def test_the_outer_step_is_nesterov_on_the_averaged_change(scenarios: list[dict[str, Any]]) -> None:
+    ranks = [s["fp32"] for s in scenarios]
     assert ranks[0]["after"] == ranks[1]["after"]  # every rank continues from the same anchor
     anchor = [torch.tensor(a) for a in ranks[0]["after"][0]]
     start = [[torch.tensor(p) for p in r] for r in (ranks[0]["after"][0], ranks[1]["after"][0])]
@@ -56,30 +70,25 @@ def test_the_outer_step_is_nesterov_on_the_averaged_change(tmp_path: Path) -> No
     assert ranks[0]["sent"] == [4 * (100 + 3)] * 3  # one fp32 all-reduce of the parameters per outer step
 
 
-def int8_outer_steps(root: Path) -> None:
+def int8_outer_steps() -> dict[str, Any]:
     """As two_outer_steps, with the same moves, but the change goes in 8 bits (`outer_int8`, the default)."""
-    runtime.init(validate({}, "test").train)
-    try:
-        rank = dist.get_rank()
-        params = [torch.randn(20, 5, generator=torch.Generator().manual_seed(rank)), torch.zeros(3)]
-        outer = diloco.OuterStep(period=1, warmup_steps=0, lr=LR, momentum=MOMENTUM, int8=True)
-        sent = [outer.average(params)]
-        for round_ in (1, 2):
-            gen = torch.Generator().manual_seed(100 * round_ + rank)  # two_outer_steps' moves
-            move = [torch.randn(p.shape, generator=gen) for p in params]
-            for p, m in zip(params, move, strict=True):
-                p.add_(m)
-            sent.append(outer.average(params))
-        (root / f"rank{rank}.json").write_text(json.dumps({"after": [p.tolist() for p in params], "sent": sent}))
-    finally:
-        dist.destroy_process_group()
+    rank = dist.get_rank()
+    params = [torch.randn(20, 5, generator=torch.Generator().manual_seed(rank)), torch.zeros(3)]
+    outer = diloco.OuterStep(period=1, warmup_steps=0, lr=LR, momentum=MOMENTUM, int8=True)
+    sent = [outer.average(params)]
+    for round_ in (1, 2):
+        gen = torch.Generator().manual_seed(100 * round_ + rank)  # two_outer_steps' moves
+        move = [torch.randn(p.shape, generator=gen) for p in params]
+        for p, m in zip(params, move, strict=True):
+            p.add_(m)
+        sent.append(outer.average(params))
+    return {"after": [p.tolist() for p in params], "sent": sent}
 
 
-def test_int8_outer_steps_agree_on_every_rank_close_to_fp32_in_a_quarter_of_the_bytes(tmp_path: Path) -> None:
-    (tmp_path / "int8").mkdir()
-    (tmp_path / "fp32").mkdir()
-    int8 = rank_results(int8_outer_steps, tmp_path / "int8")
-    fp32 = rank_results(two_outer_steps, tmp_path / "fp32")
+def test_int8_outer_steps_agree_on_every_rank_close_to_fp32_in_a_quarter_of_the_bytes(
+    scenarios: list[dict[str, Any]],
+) -> None:
+    int8, fp32 = [s["int8"] for s in scenarios], [s["fp32"] for s in scenarios]
     assert int8[0]["after"] == int8[1]["after"]  # the same gathered payloads, summed in the same order
     for got, exact in zip(int8[0]["after"], fp32[0]["after"][-1], strict=True):
         error = (torch.tensor(got) - torch.tensor(exact)).abs().max().item()
@@ -87,23 +96,21 @@ def test_int8_outer_steps_agree_on_every_rank_close_to_fp32_in_a_quarter_of_the_
     assert int8[0]["sent"] == [4 * (100 + 3), 100 + 3 + 2 * 4, 100 + 3 + 2 * 4]  # the first in fp32, then int8
 
 
-def settle_between_outer_steps(root: Path) -> None:
+def settle_between_outer_steps() -> dict[str, Any]:
     """On each rank: the first outer step, a move of its own that is not yet due for an outer step, then the epoch's
-    end settling it; then a second settle with nothing to do. Writes the parameters and the bytes of each call."""
-    runtime.init(validate({}, "test").train)
-    try:
-        rank = dist.get_rank()
-        params = [torch.randn(20, 5, generator=torch.Generator().manual_seed(rank))]
-        outer = diloco.OuterStep(period=4, warmup_steps=0, lr=LR, momentum=MOMENTUM)
-        sent = [outer.average(params)]
-        params[0].add_(torch.randn(20, 5, generator=torch.Generator().manual_seed(10 + rank)))
-        sent += [outer.average(params), outer.settle(params), outer.settle(params)]
-        (root / f"rank{rank}.json").write_text(json.dumps({"after": params[0].tolist(), "sent": sent}))
-    finally:
-        dist.destroy_process_group()
+    end settling it; then a second settle with nothing to do. The parameters and the bytes of each call."""
+    rank = dist.get_rank()
+    params = [torch.randn(20, 5, generator=torch.Generator().manual_seed(rank))]
+    outer = diloco.OuterStep(period=4, warmup_steps=0, lr=LR, momentum=MOMENTUM)
+    sent = [outer.average(params)]
+    params[0].add_(torch.randn(20, 5, generator=torch.Generator().manual_seed(10 + rank)))
+    sent += [outer.average(params), outer.settle(params), outer.settle(params)]
+    return {"after": params[0].tolist(), "sent": sent}
 
 
-def test_the_epochs_end_makes_the_ranks_models_one_with_an_outer_step_only_when_they_differ(tmp_path: Path) -> None:
-    ranks = rank_results(settle_between_outer_steps, tmp_path)
+def test_the_epochs_end_makes_the_ranks_models_one_with_an_outer_step_only_when_they_differ(
+    scenarios: list[dict[str, Any]],
+) -> None:
+    ranks = [s["settle"] for s in scenarios]
     assert ranks[0]["after"] == ranks[1]["after"]
     assert ranks[0]["sent"] == [400, 0, 400, 0]  # an outer step at the end of the epoch, then nothing to do
