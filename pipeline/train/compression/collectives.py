@@ -23,6 +23,17 @@ import torch
 import torch.distributed as dist
 
 
+def flatten(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`tensors` end to end in one new flat tensor (of `dtype`, else their own): one collective instead of one each."""
+    return torch.cat([t.detach().flatten().to(dtype or t.dtype) for t in tensors])
+
+
+def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy `flat`'s consecutive pieces back into `tensors`, each in its own shape and dtype."""
+    for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+        t.detach().copy_(part.view_as(t))
+
+
 def star_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
     """Sum `flat` over the ranks in place through the group's first rank: gathered to it, summed there in rank order,
     broadcast back. Every rank ends with the same bits."""
@@ -40,13 +51,12 @@ def all_reduce_flat(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | 
     epoch's end sends) or a ring all-reduce."""
     if not tensors:
         return
-    flat = torch.cat([t.detach().flatten() for t in tensors])
+    flat = flatten(tensors)
     if star:
         star_all_reduce(flat, group)
     else:
         dist.all_reduce(flat, group=group)
-    for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
-        t.detach().copy_(part.view_as(t))
+    unflatten_into(flat, tensors)
 
 
 def broadcast_flat(tensors: Sequence[torch.Tensor], src: int = 0, group: dist.ProcessGroup | None = None) -> None:
@@ -54,10 +64,9 @@ def broadcast_flat(tensors: Sequence[torch.Tensor], src: int = 0, group: dist.Pr
     float32, float16 and bfloat16 value and every integer below 2**53 (BatchNorm's batch counts) exactly."""
     if not tensors:
         return
-    flat = torch.cat([t.detach().flatten().to(torch.float64) for t in tensors])
+    flat = flatten(tensors, torch.float64)
     dist.broadcast(flat, src=src, group=group)
-    for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
-        t.detach().copy_(part.view_as(t))
+    unflatten_into(flat, tensors)
 
 
 class Fastest:

@@ -50,7 +50,7 @@ class OuterStep:
 
     def settle(self, params: list[torch.Tensor]) -> int:
         """Take an outer step now unless the models are one already (the last step took one); the bytes sent."""
-        if not self.schedule.settled():
+        if not self.schedule.settle_due():
             return 0
         return self._step(params)
 
@@ -77,10 +77,10 @@ class OuterStep:
         """The mean of `moved` over the ranks, and the bytes sent (the first, whole models, always in fp32)."""
         if self.int8 is not None and not first:
             return self.int8.mean(moved)
-        flat = torch.cat([m.flatten() for m in moved]).div_(dist.get_world_size(self.group))
+        flat = collectives.flatten(moved).div_(dist.get_world_size(self.group))
         self.collective.all_reduce(flat)
-        mean = [f.view_as(m) for f, m in zip(flat.split([m.numel() for m in moved]), moved, strict=True)]
-        return mean, flat.numel() * flat.element_size()
+        collectives.unflatten_into(flat, moved)  # `moved` is this step's own: it becomes the mean
+        return moved, flat.numel() * flat.element_size()
 
 
 def _outer(knobs: Knobs, group: dist.ProcessGroup | None) -> Averager:

@@ -53,8 +53,8 @@ class Schedule:
         self.in_sync = due or self.step <= self.warmup_steps
         return due
 
-    def settled(self) -> bool:
-        """Whether an averaging is needed to make the models one (and, if so, count it as done)."""
+    def settle_due(self) -> bool:
+        """Whether the models differ now, so that an averaging must make them one (counted as done)."""
         needed = not self.in_sync
         self.in_sync = True
         return needed
@@ -75,7 +75,7 @@ class Fp32Averager:
 
     def settle(self, params: list[torch.Tensor]) -> int:
         """Average now unless the models are one already; the bytes sent."""
-        if not self.schedule.settled():
+        if not self.schedule.settle_due():
             return 0
         average_parameters(iter(params), self.inner.process_group)
         return sum(p.numel() * p.element_size() for p in params)
@@ -128,7 +128,7 @@ class Int8DeltaAverager:
 
     def settle(self, params: list[torch.Tensor]) -> int:
         """Average now unless the models are one already; the bytes sent."""
-        if not self.schedule.settled():
+        if not self.schedule.settle_due():
             return 0
         return self._deltas(params) if self.anchor else self._first(params)
 
