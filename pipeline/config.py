@@ -194,6 +194,12 @@ class TrainConfig(Section):
     4 bytes and of 512 KiB) is timed only when the running method's own communication time has moved by half, or at
     every 5th measurement. A switch needs the median of the last 3 link samples to favour another method by 20% at
     2 measurements in a row."""
+    balance: bool = True
+    """Give each rank a share of the global batch in proportion to its speed (the images a second of its forward
+    passes over the last epoch), its loss weighted by that share so that the averaged gradient is still the whole
+    batch's: a slow or throttled device then does not set every step's pace. Shares stay equal while the fastest
+    rank is within 1.5x of the slowest (pipeline/train/rank/shares.py). DDP only: FSDP's ranks gather every layer
+    in step."""
     memory_budget_mb: int | None = Field(None, ge=1)
     """Memory one rank may use, for `strategy = "auto"`; unset: free CUDA memory, or 80% of the host's available
     memory split between the node's ranks. The smallest over all ranks counts."""

@@ -253,6 +253,18 @@ def time_link(group: dist.ProcessGroup | None, device: torch.device) -> LinkSamp
     return LinkSample.from_timings(timings[0], timings[1], PROBE_BYTES)
 
 
+def link_samples(group: dist.ProcessGroup | None, device: torch.device, count: int) -> list[LinkSample]:
+    """`count` link samples (:func:`time_link`), each the slowest rank's latency and seconds per byte: the same
+    list on every rank."""
+    if count == 0:
+        return []
+    timed = [time_link(group, device) for _ in range(count)]
+    flat = torch.tensor([v for t in timed for v in (t.latency_s, t.s_per_byte)], dtype=torch.float64, device=device)
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+    values = flat.tolist()
+    return [LinkSample(values[i], values[i + 1]) for i in range(0, len(values), 2)]
+
+
 @dataclass
 class _Dispatch:
     """State of the one hook DDP holds: the running method's state and hook, and residuals still to send."""
@@ -301,7 +313,7 @@ class AutoCompression(Compression):
         self.compute: list[float] = []
         self.hooks: list[float] = []
         self.step_hook_s = self.probe_s = 0.0
-        self.link_samples: tuple[int, str] = (0, "")
+        self.sampled: tuple[int, str] = (0, "")
         self.decisions: list[tuple[int, str]] = []
         """(step, method) of every measurement, on every rank: the same list on all of them."""
         self.last: Decision | None = None
@@ -332,7 +344,7 @@ class AutoCompression(Compression):
         seconds its measurements and collectives took, and how many link samples it took and why)."""
         row: dict[str, Any] = {"compression": self.name}
         if self.last is not None and self.last.step == self.steps:
-            count, why = self.link_samples
+            count, why = self.sampled
             row["compression_decision"] = self.last.record() | {
                 "probe_s": self.probe_s,
                 "link_samples": count,
@@ -357,9 +369,9 @@ class AutoCompression(Compression):
         count, why = (WINDOW, "first measurement") if first else self.watch.due(hook)
         if count == WINDOW:
             self.policy.samples.clear()
-        self.link_samples = (count, why)
+        self.sampled = (count, why)
         # Every rank decides, on the same numbers (the slowest rank's), so they agree without a broadcast.
-        self.last = self.policy.observe(self.steps, self._link(count), compute, self.costs)
+        self.last = self.policy.observe(self.steps, link_samples(self.group, self.device, count), compute, self.costs)
         if self.is_root:
             tqdm.write(f"{self.last.line()}; {count} link samples ({why})", file=sys.stderr)
         method = self.last.method
@@ -375,17 +387,6 @@ class AutoCompression(Compression):
         assert method.payload_bytes is not None, f"{method.name} is an auto candidate without a payload model"
         payload = method.payload_bytes(self.params, self.knobs)
         return Cost(method.name, payload, encode_s, method.rounds, method.gathers)
-
-    def _link(self, count: int) -> list[LinkSample]:
-        """`count` link samples, each the slowest rank's latency and seconds per byte."""
-        if count == 0:
-            return []
-        timed = [time_link(self.group, self.device) for _ in range(count)]
-        flat = torch.tensor([v for t in timed for v in (t.latency_s, t.s_per_byte)], dtype=torch.float64)
-        flat = flat.to(self.device)
-        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.group)
-        values = flat.tolist()
-        return [LinkSample(values[i], values[i + 1]) for i in range(0, len(values), 2)]
 
     def _start(self, method: Method, carry: dict[int, torch.Tensor]) -> _Dispatch:
         """A dispatcher running `method` from the next step on, sending `carry` with its first step."""

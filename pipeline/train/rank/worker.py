@@ -23,12 +23,12 @@ from tqdm import tqdm
 
 import models
 from pipeline import data, layout, modelfile
-from pipeline.config import Config
+from pipeline.config import Config, TrainConfig
 from pipeline.errors import PipelineError
 from pipeline.files import write_json
 from pipeline.library_warnings import route_library_warnings
 from pipeline.manifest import RunDir
-from pipeline.train.compression import collectives, registry
+from pipeline.train.compression import autoplan, collectives, registry
 from pipeline.train.rank import (
     batchnorm,
     checkpoint,
@@ -36,6 +36,7 @@ from pipeline.train.rank import (
     plan,
     runtime,
     sampling,
+    shares,
     stepping,
     strategy,
     thermal,
@@ -68,11 +69,13 @@ class Trainer:
             print(f"strategy: {self.strategy} ({reason})", file=sys.stderr)
         self.ckpt_root = run_dir / layout.CHECKPOINTS
         self.resume_from = checkpoint.resumable(self.ckpt_root, cfg)
+        self.train_cfg, self.choice = self._choose_compression(net)
+        self._say_plan()
         self._wrap(net, frozen)
         self._count_steps()
 
     def _load_data(self) -> data.Splits:
-        """Load this rank's splits and plan batch, epochs and rate for them; rank 0 says what it decided."""
+        """Load this rank's splits and plan batch, epochs and rate for them."""
         cfg, rt, weights = self.cfg, self.rt, self.cfg.model.weights
         channels = models.spec_for(cfg.model.name).channels
         prior = modelfile.recorded_stats(weights) if weights is not None else None
@@ -80,23 +83,28 @@ class Trainer:
             runtime.data_config(cfg.data), cfg.run.seed, channels=channels, pretrained=weights is not None, prior=prior
         )
         self.info, self.skipped = splits.info, splits.skipped
-        planned = sampling.train_size_to_plan(len(splits.train), rt)
-        self.plan = plan.plan(cfg.train, planned, rt.world_size, pretrained=weights is not None)
-        if rt.is_main:
-            lines = (
-                [f"data: skipped {len(self.skipped)} unreadable image(s), first {self.skipped[0]}"]
-                if self.skipped
-                else []
-            )
-            lines += [*self.plan.why, f"data.normalize {cfg.data.normalize}: {self.info.normalization} statistics"]
-            print("\n".join(lines), file=sys.stderr)
+        self.planned = sampling.train_size_to_plan(len(splits.train), rt)
+        self.plan = plan.plan(cfg.train, self.planned, rt.world_size, pretrained=weights is not None)
         return splits
+
+    def _say_plan(self) -> None:
+        """Rank 0 says what it skipped and what `auto` settings became."""
+        if not self.rt.is_main:
+            return
+        lines = [self.choice.line()] if self.choice else []
+        if self.skipped:
+            lines.append(f"data: skipped {len(self.skipped)} unreadable image(s), first {self.skipped[0]}")
+        lines += [*self.plan.why, f"data.normalize {self.cfg.data.normalize}: {self.info.normalization} statistics"]
+        print("\n".join(lines), file=sys.stderr)
 
     def _make_loaders(self, splits: data.Splits) -> None:
         """This rank's training, unaugmented-training and validation loaders."""
         cfg, rt = self.cfg, self.rt
         self.sampler, self.plain_sampler = sampling.samplers(splits, cfg.run.seed, rt)
         self.batch = per_rank_batch(self.plan.batch_size, rt.world_size)
+        self.batches = [self.batch] * rt.world_size
+        """Every rank's batch (train.balance: shares.split); this rank's is batches[rank]."""
+        self.train_set = splits.train
         self.resumable = sampling.ResumableSampler(self.sampler)
         self.train_loader = DataLoader(splits.train, batch_size=self.batch, sampler=self.resumable)
         self.val_loader = DataLoader(sampling.own_validation(splits.val, rt), batch_size=VAL_BATCH)
@@ -114,13 +122,34 @@ class Trainer:
         stepping.assert_same_weights(net, self.rt.device)
         return net, frozen
 
+    def _choose_compression(self, net: torch.nn.Module) -> tuple[TrainConfig, autoplan.Choice | None]:
+        """The train settings the run trains with, and `auto`'s choice between DiLoCo and the gradient methods
+        (compression.autoplan): recorded in the checkpoint resumed from, else probed. Under DiLoCo the epochs are
+        planned again: `auto` epochs are more for it."""
+        train = self.cfg.train
+        if train.compression != autoplan.GRADIENTS or self.strategy != "ddp":
+            return train, None
+        recorded = checkpoint.read_meta(self.resume_from).get("compression") if self.resume_from else None
+        if recorded in (autoplan.GRADIENTS, autoplan.DILOCO):
+            choice = autoplan.Choice(recorded, "as the checkpoint resumed from recorded")
+        else:
+            x, y = next(iter(self.plain_loader))
+            batch = x.to(self.rt.device), y.to(self.rt.device)
+            candidates = [m for m in registry.METHODS.values() if m.auto]
+            choice = autoplan.probe(net, batch, registry.knobs(train, net, 0), candidates, self.rt.autocast)
+        if choice.method == autoplan.GRADIENTS:
+            return train, choice
+        chosen = train.model_copy(update={"compression": choice.method})
+        self.plan = plan.plan(chosen, self.planned, self.rt.world_size, pretrained=self.cfg.model.weights is not None)
+        return chosen, choice
+
     def _wrap(self, net: torch.nn.Module, frozen: set[str]) -> None:
         """Spread the model over the ranks with its compression, and build the optimizer and loss scaler."""
         cfg, rt = self.cfg, self.rt
         # The hooks count the warm-up in steps from here: a resumed run has done part or all of it already.
         done = checkpoint.read_meta(self.resume_from)["step"] if self.resume_from else 0
-        warmup = registry.warmup_steps(cfg.train, len(self.train_loader), done)
-        self.model, self.comm = strategy.wrap(net, cfg.train, rt, self.strategy, warmup)
+        warmup = registry.warmup_steps(self.train_cfg, len(self.train_loader), done)
+        self.model, self.comm = strategy.wrap(net, self.train_cfg, rt, self.strategy, warmup)
         # FSDP swaps parameters for sharded ones in place and DDP wraps them: find them by name after wrapping.
         self.frozen = [p for n, p in strategy.unwrap(self.model).named_parameters() if n in frozen]
         self.freezing = False
@@ -145,6 +174,14 @@ class Trainer:
         self.checkpointer = checkpoint.Checkpointer(self.ckpt_root, train.keep_checkpoints, background)
         self.samples = 0
         self.train_seconds = 0.0
+        # train.balance: shares of the batch follow the ranks' speeds (DDP only: FSDP's shards gather in step).
+        self.balancing = train.balance and self.strategy == "ddp" and self.rt.world_size > 1
+        self.even = (self.sampler, self.resumable, self.train_loader)
+        self.forward_s = self.optimizer_s = 0.0
+        self.timed_steps = 0
+        self.timings: list[shares.Timing] = []
+        self.last_timings: list[shares.Timing] | None = None
+        self.loss_weight = 1.0
 
     def _load_weights(self, net: torch.nn.Module) -> list[str]:
         """Load `model.weights` into `net` when set; rank 0 names the head tensors dropped for another class count."""
@@ -166,6 +203,8 @@ class Trainer:
         if meta.get("scaler"):
             self.scaler.load_state_dict(meta["scaler"])
         epoch, batch = meta.get("next_epoch", meta["epoch"] + 1), meta.get("next_batch", 0)
+        if self.balancing and len(meta.get("batches") or ()) == self.rt.world_size:
+            self.batches = list(meta["batches"])  # the same images for the rest of the epoch
         if self.rt.is_main:
             print(f"resuming from {found.name} (epoch {epoch + 1}, batch {batch})", file=sys.stderr)
         return epoch, meta["step"], batch
@@ -175,8 +214,9 @@ class Trainer:
         buffers are already rank 0's (:func:`strategy.sync_buffers` since the last step)."""
         done = epoch if next_batch == 0 else epoch - 1
         meta = {"epoch": done, "step": step, "world_size": self.rt.world_size, "next_epoch": done + 1}
-        meta |= {"next_batch": next_batch, "scaler": self.scaler.state_dict()}
+        meta |= {"next_batch": next_batch, "scaler": self.scaler.state_dict(), "batches": self.batches}
         meta["resume_key"] = checkpoint.resume_key(self.cfg)
+        meta["compression"] = self.train_cfg.compression  # what `auto` chose, kept on resuming
         if not synced:  # DCP saves one rank's copy of replicated buffers: make them all rank 0's
             strategy.sync_buffers(self.model)
         self.checkpointer.save(self.model, self.optim, meta)
@@ -211,8 +251,9 @@ class Trainer:
         for i, (xs, ys) in enumerate(parts):
             with stepping.no_sync(self.model, skip=i < len(parts) - 1):
                 with self.rt.autocast():
+                    logits = self._timed_forward(xs)
                     # Weighted by its share, so the summed gradients equal those of the whole batch.
-                    loss = F.cross_entropy(self.model(xs), ys) * (len(ys) / len(y))
+                    loss = F.cross_entropy(logits, ys) * (len(ys) / len(y) * self.loss_weight)
                 self.scaler.scale(loss).backward()
             total += loss.item()
         if self.freezing:
@@ -224,15 +265,46 @@ class Trainer:
             self.scaler.unscale_(self.optim)
             # Under FSDP the gradients are DTensor shards: the norm is still the global one.
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip_norm)
+        start = time.perf_counter()
         self.scaler.step(self.optim)
         self.scaler.update()
+        self.optimizer_s += self._seconds_since(start)
+        self.timed_steps += 1
         self.comm.after_step(self.model)
         return total
 
+    def _timed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's output, with the seconds it took counted in this rank's timing (shares)."""
+        start = time.perf_counter()
+        out = self.model(x)
+        self.forward_s += self._seconds_since(start)
+        return out
+
+    def _seconds_since(self, start: float) -> float:
+        """Seconds since `start` (time.perf_counter), the GPU's queued work included."""
+        if self.rt.device.type == "cuda":
+            torch.cuda.synchronize(self.rt.device)
+        return time.perf_counter() - start
+
+    def _use_shares(self) -> None:
+        """This rank's loader for `self.batches`: the one made at the start while they are equal, else a
+        shares.ShareSampler's."""
+        rank, own = self.rt.rank, self.batches[self.rt.rank]
+        self.loss_weight = shares.loss_weight(self.batches, rank)
+        if len(set(self.batches)) == 1:
+            self.sampler, self.resumable, self.train_loader = self.even
+            return
+        first = rank - int(os.environ.get("LOCAL_RANK", 0)) if runtime.node_local_data() else 0
+        size, seed = len(self.train_set), self.cfg.run.seed
+        self.sampler = shares.sampler(size, self.steps_per_epoch, self.batches, rank, first, seed)
+        self.resumable = sampling.ResumableSampler(self.sampler)
+        self.train_loader = DataLoader(self.train_set, batch_size=own, sampler=self.resumable)
+
     def train_epoch(self, epoch: int, step: int, log: MetricsLog | None, skip: int = 0) -> int:
         """Run one epoch from its batch `skip`; rank 0 logs every step. Returns the global step after it."""
+        self._use_shares()
         self.sampler.set_epoch(epoch)
-        self.resumable.skip = skip * self.batch
+        self.resumable.skip = skip * self.batches[self.rt.rank]
         self.model.train()
         bar = tqdm(
             self.train_loader,
@@ -254,8 +326,8 @@ class Trainer:
                 self.note(why)
             loss = self.train_step(x, y, lr)
             comm_bytes, comm_s = self.comm.counter.take()
-            # Wall time between steps, data loading included; every rank's batch has the same size.
-            now, samples = time.perf_counter(), len(x) * self.rt.world_size
+            # Wall time between steps, data loading included; the global batch from this rank's share of it.
+            now, samples = time.perf_counter(), len(x) * sum(self.batches) // self.batches[self.rt.rank]
             seconds, last = now - last, now
             self.samples, self.train_seconds = self.samples + samples, self.train_seconds + seconds
             self.comm.ran(seconds)
@@ -294,13 +366,40 @@ class Trainer:
         x, y = next(iter(self.plain_loader))
         micro = math.ceil(len(x) / self.thermal.accumulation)  # one micro-batch: what training fits in memory
         modes = batchnorm.mode_counts(net, x[:micro].to(self.rt.device), y[:micro].to(self.rt.device), self.rt.autocast)
-        both = totals if modes is None else torch.cat([totals, modes])
+        timing = self._own_timing()
+        both = torch.cat([t for t in (totals, modes, timing) if t is not None])
         collectives.star_all_reduce(both)
         correct, count, loss_sum = both[:3].tolist()
-        check = None if modes is None else batchnorm.ModeCheck.from_counts(both[3:])
+        if timing is not None:
+            values = both[len(both) - len(timing) :].tolist()
+            self.timings = [shares.Timing(round(values[i]), *values[i + 1 : i + 3]) for i in range(0, len(values), 3)]
+        check = None if modes is None else batchnorm.ModeCheck.from_counts(both[3 : 3 + len(modes)])
         if check is not None and check.warning and self.rt.is_main:
             tqdm.write(f"warning: {check.warning}", sys.stderr)
         return correct / max(count, 1), loss_sum / max(count, 1), check
+
+    def _own_timing(self) -> torch.Tensor | None:
+        """With train.balance: zeros but for this rank's (batch, forward seconds a step, optimizer seconds a step)
+        since the last call, which the sum over the ranks makes every rank's shares.Timing."""
+        if not self.balancing:
+            return None
+        timing = torch.zeros(3 * self.rt.world_size, dtype=torch.float64, device=self.rt.device)
+        if self.timed_steps:
+            steps, at = self.timed_steps, 3 * self.rt.rank
+            own = [self.batches[self.rt.rank], self.forward_s / steps, self.optimizer_s / steps]
+            timing[at : at + 3] = torch.tensor(own, dtype=torch.float64)
+        self.forward_s = self.optimizer_s = 0.0
+        self.timed_steps = 0
+        return timing
+
+    def _rebalance(self) -> None:
+        """Shares of the next epoch's batch from the timings the last validation gathered and the epoch's before
+        (shares.split); rank 0 says when they change."""
+        new = shares.split(sum(self.batches), self.timings, self.last_timings)
+        if new != self.batches and self.rt.is_main:
+            took = ", ".join(f"{1000 * (shares.PASSES * t.forward_s + t.optimizer_s):.0f}" for t in self.timings)
+            tqdm.write(f"shares: batches {self.batches} -> {new} (compute ms a step per rank: {took})", sys.stderr)
+        self.batches, self.last_timings = new, self.timings
 
     def _match_forwards(self, net: torch.nn.Module, done: int) -> None:
         """FSDP forwards gather parameters collectively: run throwaway ones until every rank has run as many."""
@@ -326,8 +425,13 @@ class Trainer:
         self.recalibrate(epoch)
         strategy.sync_buffers(self.model)
         accuracy, val_loss, self.modes = self.evaluate()
+        if self.balancing:
+            self._rebalance()
         if log is not None:
             row = {"epoch": epoch, "epochs": self.plan.epochs, "val_accuracy": accuracy, "val_loss": val_loss}
+            if self.balancing:
+                row["forward_s"] = [t.forward_s for t in self.timings]
+                row |= {"optimizer_s": [t.optimizer_s for t in self.timings], "next_batches": self.batches}
             row["comm_bytes"] = settled
             row["bn_images"] = self.bn_images
             if self.modes is not None:
@@ -372,6 +476,7 @@ class Trainer:
             "backend": self.rt.backend,
             "precision": self.rt.precision,
             "compression": self.cfg.train.compression,
+            "compression_choice": self.choice.record() if self.choice else None,
             "compression_seconds": {k: round(v, 3) for k, v in self.comm.seconds.items()},
             "strategy": self.strategy,
             "samples_per_s": self.samples / self.train_seconds if self.train_seconds else 0.0,

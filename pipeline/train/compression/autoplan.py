@@ -1,0 +1,154 @@
+"""What `train.compression = "auto"` decides before the first step: DiLoCo for the whole run, or the gradient methods
+it switches between per step (:mod:`.auto`).
+
+DiLoCo cannot take over mid-run as a gradient method can: it averages models, not gradients, and `train.epochs =
+"auto"` plans it twice the epochs (its :attr:`~.method.Method.epochs_factor`). So the choice is made once, from a
+probe: every rank times a training step of the model on its own (forward, backward, optimizer) and the link
+(:func:`.auto.link_samples`), the slowest rank's numbers count, and every rank predicts, per step of the plain run,
+the time to accuracy of
+
+- the gradient methods: compute plus the cheapest of their collectives (their encoding left out, which favours them);
+- DiLoCo: its epochs factor times compute plus its outer step's collective spread over `localsgd_period` steps.
+
+DiLoCo runs when it is predicted :data:`.auto.BAND` faster; a resumed run keeps the choice its checkpoint records.
+On the quickstart's weak link (121 ms between devices) that is DiLoCo; on a LAN or one host, the gradient methods
+(docs/measurements.md#auto-chooses-diloco).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.train.compression import auto, diloco
+from pipeline.train.compression.method import Knobs, Method
+
+GRADIENTS = "auto"
+"""The choice that leaves the run to :mod:`.auto`'s per-step switching among the gradient methods."""
+DILOCO = diloco.METHOD.name
+"""The choice of DiLoCo for the whole run."""
+COMPUTE_REPEATS = 3
+"""Timed training steps of the probe (after an untimed one); the median counts."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What `auto` runs, and the numbers it decided from."""
+
+    method: str
+    """:data:`DILOCO`, or :data:`GRADIENTS`."""
+    reason: str
+    latency_ms: float = 0.0
+    mbit_per_s: float = 0.0
+    compute_s: float = 0.0
+    predicted_s: dict[str, float] | None = None
+    """Predicted seconds of each candidate per step of the plain run (DiLoCo's times its epochs factor)."""
+    probe_s: float = 0.0
+    """Seconds the probe took on this rank."""
+
+    def record(self) -> dict[str, Any]:
+        """The summary's `compression_choice`."""
+        return asdict(self)
+
+    def line(self) -> str:
+        """The log line."""
+        what = "diloco for the run" if self.method == DILOCO else "the gradient methods, chosen per step"
+        text = f"compression auto: {what} ({self.reason})"
+        if self.predicted_s:
+            preds = ", ".join(f"{m} {s:.3f}" for m, s in sorted(self.predicted_s.items(), key=lambda kv: kv[1]))
+            text += (
+                f"; link {self.latency_ms:.2f} ms + {self.mbit_per_s:.1f} Mbit/s, compute {self.compute_s:.3f} s; "
+                f"predicted s per plain-run step: {preds}; probe {self.probe_s:.1f} s"
+            )
+        return text
+
+
+def outer_cost(params: list[torch.Tensor], knobs: Knobs) -> auto.Cost:
+    """DiLoCo's outer step as one collective: the change in 8 bits plus a scale per tensor, all-gathered
+    (`outer_int8`), or in fp32 all-reduced."""
+    numel = sum(p.numel() for p in params)
+    if knobs.train.outer_int8:
+        return auto.Cost(DILOCO, numel + 4 * len(params), 0.0, gathers=True)
+    return auto.Cost(DILOCO, 4 * numel, 0.0)
+
+
+def predict(
+    link: auto.LinkSample,
+    compute_s: float,
+    params: list[torch.Tensor],
+    knobs: Knobs,
+    world: int,
+    gradient: Iterable[Method],
+) -> dict[str, float]:
+    """Seconds per step of the plain run's schedule on `world` ranks for DiLoCo and each gradient method (see the
+    module's doc)."""
+    predicted = {}
+    for m in gradient:
+        assert m.payload_bytes is not None, f"{m.name} is an auto candidate without a payload model"
+        cost = auto.Cost(m.name, m.payload_bytes(params, knobs), 0.0, m.rounds, m.gathers)
+        predicted[m.name] = auto.predict(cost, link, compute_s, world)
+    outer = auto.predict(outer_cost(params, knobs), link, 0.0, world)
+    predicted[DILOCO] = diloco.METHOD.epochs_factor * (compute_s + outer / knobs.train.localsgd_period)
+    return predicted
+
+
+def decide(predicted: dict[str, float], band: float = auto.BAND) -> tuple[str, str]:
+    """DiLoCo when it is predicted `band` faster to accuracy than the fastest gradient method, else the gradient
+    methods; and why."""
+    ours = predicted[DILOCO]
+    best = min((m for m in predicted if m != DILOCO), key=lambda m: predicted[m])
+    if ours < (1 - band) * predicted[best]:
+        return DILOCO, f"{ours / predicted[best]:.2f}x the time to accuracy of {best}"
+    return GRADIENTS, f"diloco not {band:.0%} faster to accuracy than {best}"
+
+
+def time_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast: Callable[[], Any]) -> float:
+    """Median seconds of a training step (forward, backward, AdamW) on a copy of `model`, which stays untouched."""
+    net = copy.deepcopy(model).train()
+    optim = torch.optim.AdamW(net.parameters())
+    times = []
+    for _ in range(COMPUTE_REPEATS + 1):
+        start = time.perf_counter()
+        optim.zero_grad(set_to_none=True)
+        with autocast():
+            loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        optim.step()
+        if x.device.type == "cuda":
+            torch.cuda.synchronize(x.device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def probe(
+    model: nn.Module,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    knobs: Knobs,
+    gradient: Iterable[Method],
+    autocast: Callable[[], Any],
+    group: dist.ProcessGroup | None = None,
+) -> Choice:
+    """Time a step of `model` on this rank's `batch` and the link, and decide on the slowest rank's numbers (the
+    same on every rank)."""
+    if dist.get_world_size(group) == 1:
+        return Choice(GRADIENTS, "one rank: nothing to send")
+    start = time.perf_counter()
+    x, y = batch
+    compute = torch.tensor([time_step(model, x, y, autocast)], dtype=torch.float64, device=x.device)
+    dist.all_reduce(compute, op=dist.ReduceOp.MAX, group=group)
+    link = auto.median_link(auto.link_samples(group, x.device, auto.WINDOW))
+    params = [p for p in model.parameters() if p.requires_grad]
+    gradient = [m for m in gradient if m.refuses(params, knobs) is None]
+    predicted = predict(link, compute.item(), params, knobs, dist.get_world_size(group), gradient)
+    method, reason = decide(predicted)
+    seconds = time.perf_counter() - start
+    return Choice(method, reason, 1000 * link.latency_s, link.mbit_per_s, compute.item(), predicted, seconds)
