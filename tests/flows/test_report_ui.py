@@ -29,6 +29,9 @@ SCREENSHOT = REPO / "docs/report-ui.png"
 ALT = "loss and accuracy"
 
 pytestmark = [
+    # About 50 s on 2 cores (a server, its UI, Chromium): outside the quick suite, whose budget is 10 minutes; the
+    # report's content is also checked without a browser (tests/flows/test_train_to_deploy.py).
+    pytest.mark.slow,
     pytest.mark.skipif(
         not (CHROMIUM and CHROMEDRIVER),
         reason="headless Chromium not installed (Debian: apt-get install chromium chromium-driver; "
