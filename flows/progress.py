@@ -28,13 +28,14 @@ def epochs_done(run: RunDir) -> int:
 
 
 def epochs_planned(run: RunDir, configured: int | str) -> int | None:
-    """Epochs the run trains for: `train.epochs`, or with `auto` what the ranks resolved it to (each epoch line of
-    train/metrics.jsonl says); None while that is not known yet."""
-    if isinstance(configured, int):
-        return configured
+    """Epochs the run trains for: what the ranks resolved (each epoch line of train/metrics.jsonl says: `auto`
+    epochs, or a set count that `compression = "auto"` scaled for DiLoCo), else `train.epochs` when set; None while
+    neither is known."""
     path = run.path / METRICS
     lines = [line for line in path.read_text().splitlines() if '"val_accuracy"' in line] if path.exists() else []
-    return int(json.loads(lines[-1])["epochs"]) if lines else None
+    if lines:
+        return int(json.loads(lines[-1])["epochs"])
+    return configured if isinstance(configured, int) else None
 
 
 @contextmanager

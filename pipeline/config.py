@@ -119,7 +119,8 @@ class TrainConfig(Section):
     epochs: Annotated[int, Field(ge=1, le=100_000)] | Literal["auto"] = "auto"
     """Passes over the training split. `auto`: 8, or more when that would make fewer than 120 optimizer steps (a
     folder of a hundred photos gets 30); the log gives the number and why, and train/summary.json records it. A
-    number is used as it is."""
+    number is used as it is, but for `compression = "auto"` choosing `diloco`: it counts the plain run's epochs, and
+    DiLoCo trains twice as many, as with `auto` (docs/how-to/compression.md)."""
     batch_size: Annotated[int, Field(ge=1, le=1 << 20)] | Literal["auto"] = "auto"
     """Global batch size: split evenly across all ranks. `auto`: 64, halved while an epoch would have fewer than 4
     optimizer steps, down to 16 images a rank (a hundred photos on 2 ranks: 32)."""
@@ -153,7 +154,8 @@ class TrainConfig(Section):
     """Gradient compression method, by name: the table in docs/compression.md lists them, what each sends and which
     FSDP can use (it is generated from the methods' registry, `pipeline/train/compression/registry.py`, which the
     train stage checks this name and its settings against before any rank starts). `none` is plain all-reduce;
-    `auto` measures the link and the methods and runs the fastest."""
+    `auto` measures the link and the methods and runs the fastest: `diloco` for the whole run when a probe before
+    the first step predicts it soonest to the plain run's accuracy, else the gradient methods, switched per step."""
     compression_warmup_epochs: float = Field(1.0, ge=0.0)
     """Epochs of plain all-reduce before `powersgd`, `topk`, `sign`, `localsgd` or `auto` start: compressing the
     large gradients of the first steps costs accuracy (docs/measurements.md#compression-warm-up). Counted from the

@@ -3,7 +3,7 @@ it switches between per step (:mod:`.auto`).
 
 DiLoCo cannot take over mid-run as a gradient method can: it averages models, not gradients, and `train.epochs =
 "auto"` plans it twice the epochs (its :attr:`~.method.Method.epochs_factor`). So the choice is made once, from a
-probe: every rank times a training step of the model on its own (forward, backward, optimizer) and the link
+probe: every rank times a forward and backward pass of the model on its own batch and the link
 (:func:`.auto.link_samples`), the slowest rank's numbers count, and every rank predicts, per step of the plain run,
 the time to accuracy of
 
@@ -17,7 +17,6 @@ On the quickstart's weak link (121 ms between devices) that is DiLoCo; on a LAN 
 
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -37,7 +36,7 @@ GRADIENTS = "auto"
 DILOCO = diloco.METHOD.name
 """The choice of DiLoCo for the whole run."""
 COMPUTE_REPEATS = 3
-"""Timed training steps of the probe (after an untimed one); the median counts."""
+"""Timed forward and backward passes of the probe (after an untimed one); the median counts."""
 
 
 @dataclass(frozen=True)
@@ -112,20 +111,26 @@ def decide(predicted: dict[str, float], band: float = auto.BAND) -> tuple[str, s
 
 
 def time_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast: Callable[[], Any]) -> float:
-    """Median seconds of a training step (forward, backward, AdamW) on a copy of `model`, which stays untouched."""
-    net = copy.deepcopy(model).train()
-    optim = torch.optim.AdamW(net.parameters())
+    """Median seconds of a forward and backward pass of `model` on (`x`, `y`), after an untimed one. The model is left
+    as it was: its gradients dropped, BatchNorm's running statistics put back (no copy of the model: on a 4 GB board
+    a second one, with its optimizer state, may not fit)."""
+    buffers = [b.clone() for b in model.buffers()]
     times = []
-    for _ in range(COMPUTE_REPEATS + 1):
-        start = time.perf_counter()
-        optim.zero_grad(set_to_none=True)
-        with autocast():
-            loss = F.cross_entropy(net(x), y)
-        loss.backward()
-        optim.step()
-        if x.device.type == "cuda":
-            torch.cuda.synchronize(x.device)
-        times.append(time.perf_counter() - start)
+    try:
+        for _ in range(COMPUTE_REPEATS + 1):
+            start = time.perf_counter()
+            with autocast():
+                loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            if x.device.type == "cuda":
+                torch.cuda.synchronize(x.device)
+            times.append(time.perf_counter() - start)
+            model.zero_grad(set_to_none=True)
+    finally:
+        model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for b, saved in zip(model.buffers(), buffers, strict=True):
+                b.copy_(saved)
     return statistics.median(times[1:])
 
 

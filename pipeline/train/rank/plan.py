@@ -10,10 +10,11 @@ exactly their quickstart settings, and a small folder gets smaller batches and m
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipeline.config import TrainConfig
 from pipeline.train.compression import registry
+from pipeline.train.compression.method import Method
 
 BATCH = 64
 """The batch `auto` starts from: what the quickstart's digits train with."""
@@ -58,6 +59,13 @@ def auto_batch(train_size: int, world_size: int) -> int:
     while batch // 2 >= floor and steps_per_epoch(train_size, batch, world_size) < MIN_STEPS_PER_EPOCH:
         batch //= 2
     return max(min(batch, train_size - train_size % world_size), world_size)
+
+
+def scaled_epochs(planned: Plan, method: Method, why: str) -> Plan:
+    """`planned` with its epochs times `method`'s epochs factor (`why` says what chose the method)."""
+    epochs = planned.epochs * method.epochs_factor
+    line = f"train.epochs {planned.epochs} -> {epochs}: {method.name}, {why}, averages models ({method.epochs_factor}x)"
+    return replace(planned, epochs=epochs, why=(*planned.why, line))
 
 
 def plan(train: TrainConfig, train_size: int, world_size: int, pretrained: bool) -> Plan:

@@ -125,7 +125,8 @@ class Trainer:
     def _choose_compression(self, net: torch.nn.Module) -> tuple[TrainConfig, autoplan.Choice | None]:
         """The train settings the run trains with, and `auto`'s choice between DiLoCo and the gradient methods
         (compression.autoplan): recorded in the checkpoint resumed from, else probed. Under DiLoCo the epochs are
-        planned again: `auto` epochs are more for it."""
+        planned again, `auto` or set: a set count is the plain run's, and DiLoCo trains its epochs factor times it.
+        """
         train = self.cfg.train
         if train.compression != autoplan.GRADIENTS or self.strategy != "ddp":
             return train, None
@@ -141,6 +142,8 @@ class Trainer:
             return train, choice
         chosen = train.model_copy(update={"compression": choice.method})
         self.plan = plan.plan(chosen, self.planned, self.rt.world_size, pretrained=self.cfg.model.weights is not None)
+        if train.epochs != "auto":  # `auto` promises the plain run's accuracy sooner: its epochs, in DiLoCo's measure
+            self.plan = plan.scaled_epochs(self.plan, registry.method(chosen), "chosen by compression auto")
         return chosen, choice
 
     def _wrap(self, net: torch.nn.Module, frozen: set[str]) -> None:

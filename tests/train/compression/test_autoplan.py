@@ -78,8 +78,9 @@ def _forced_diloco(predicted: dict[str, float], band: float = 0.2) -> tuple[str,
 
 
 def probe_then_resume(root: Path) -> None:
-    """On each rank: the probe on the digits' model with a batch of the rank's own size; then a one-epoch `auto` run
-    whose choice the test forces to DiLoCo, resumed for a second epoch with the choice left to the probe."""
+    """On each rank: the probe on the digits' model with a batch of the rank's own size; then an `auto` run of one
+    epoch whose choice the test forces to DiLoCo (which trains it 2), resumed for a second (4) with the choice left to
+    the probe."""
     rt = runtime.init(validate({}, "test").train)
     try:
         net, _ = _small_cnn()
@@ -91,7 +92,7 @@ def probe_then_resume(root: Path) -> None:
         summaries = []
         for epochs, decide in ((1, _forced_diloco), (2, autoplan.decide)):
             autoplan.decide = decide  # type: ignore[assignment]
-            summaries.append(Trainer(method_config("auto", epochs, 128), root / "run", rt).fit())
+            summaries.append(Trainer(method_config("auto", epochs, 256), root / "run", rt).fit())
         (root / f"rank{rank}.json").write_text(json.dumps({"probe": choice.record(), "summaries": summaries}))
     finally:
         dist.destroy_process_group()
@@ -119,11 +120,12 @@ def test_a_resumed_run_keeps_the_choice_its_checkpoint_records(ranks: tuple[Path
     # Resumed, the probe would choose the gradient methods on one host: the checkpoint's DiLoCo runs on.
     assert resumed["compression_choice"]["method"] == autoplan.DILOCO
     assert resumed["compression_choice"]["reason"] == "as the checkpoint resumed from recorded"
-    for summary in (first, resumed):
+    for summary, epochs in ((first, 2), (resumed, 4)):
         assert summary["compression"] == "auto" and set(summary["compression_seconds"]) == {"diloco"}
+        assert summary["epochs"] == epochs  # a set count is the plain run's: DiLoCo trains twice it
     lines = [json.loads(x) for x in (root / "run" / layout.METRICS).read_text().splitlines()]
     steps = [r for r in lines if "loss" in r]
     assert len(steps) == 24 and {r["compression"] for r in steps} == {"diloco"}
-    # DiLoCo sends only at its outer steps, every 8th of a process's steps (the resumed one starts counting again at
-    # step 13): never a gradient.
+    # 6 steps an epoch. DiLoCo sends only at its outer steps, every 8th of a process's steps (the resumed one starts
+    # counting again at step 13): never a gradient.
     assert [r["step"] for r in steps if r["comm_bytes"]] == [1, 9, 13, 21]

@@ -11,7 +11,8 @@ import pytest
 from pipeline.config import TrainConfig
 from pipeline.layout import METRICS
 from pipeline.manifest import RunDir
-from pipeline.train.rank.plan import plan, steps_per_epoch
+from pipeline.train.compression import registry
+from pipeline.train.rank.plan import plan, scaled_epochs, steps_per_epoch
 
 
 def test_the_digits_keep_the_quickstart_settings() -> None:
@@ -44,6 +45,13 @@ def test_methods_that_average_models_get_twice_the_auto_epochs_and_set_epochs_st
     assert plan(TrainConfig(compression="star"), 1437, 2, pretrained=False).epochs == 8
 
 
+def test_auto_compression_choosing_diloco_doubles_a_set_epoch_count_and_says_so() -> None:
+    planned = plan(TrainConfig(compression="auto", epochs=8), 1437, 2, pretrained=False)
+    got = scaled_epochs(planned, registry.METHODS["diloco"], "chosen by compression auto")
+    assert got.epochs == 16 and (got.batch_size, got.lr) == (planned.batch_size, planned.lr)
+    assert got.why[-1] == "train.epochs 8 -> 16: diloco, chosen by compression auto, averages models (2x)"
+
+
 def test_a_weights_file_trains_at_a_tenth_of_the_rate_and_set_values_stay() -> None:
     assert plan(TrainConfig(), 115, 2, pretrained=True).lr == 1e-3
     fixed = plan(TrainConfig(batch_size=10, epochs=3, lr=0.5), 115, 2, pretrained=True)
@@ -59,3 +67,4 @@ def test_the_flows_progress_reads_what_auto_epochs_became_from_the_epoch_lines(t
     rows = [{"step": 4, "epoch": 0, "loss": 1.0}, {"epoch": 0, "epochs": 30, "val_accuracy": 0.3}]
     (tmp_path / METRICS).write_text("".join(f"{json.dumps(row)}\n" for row in rows))
     assert (epochs_done(run), epochs_planned(run, "auto")) == (1, 30)
+    assert epochs_planned(run, 15) == 30  # a set count `compression = "auto"` doubled for DiLoCo
