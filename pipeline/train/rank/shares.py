@@ -29,6 +29,10 @@ TOLERANCE = 1.5
 """Longest predicted step at equal shares over the shortest below which the shares stay equal: an Orin Nano beside
 an Orin NX, or a board throttled by heat, is 2x or more; two ranks sharing a busy CPU differ by 10-20%, and now and
 then more."""
+MIN_GAIN = 0.1
+"""Shares stay equal too while what they could save, the slowest rank's predicted step over the mean, is below this
+share of the measured step: on a slow link the ranks wait on it, not on each other, and a few milliseconds of
+difference between ranks are the scheduler's."""
 MIN_SHARE = 0.25
 """Fewest images a rank takes, as a fraction of an equal share: a rank that nearly stopped still trains, and its
 BatchNorm still sees a batch."""
@@ -46,6 +50,8 @@ class Timing:
     """Seconds of forward passes a step."""
     optimizer_s: float
     """Seconds of the optimizer step a step."""
+    step_s: float = 0.0
+    """Wall seconds a step, waiting for the others and the link included."""
 
 
 def cost(now: Timing, before: Timing | None = None) -> tuple[float, float]:
@@ -65,13 +71,15 @@ def split(
 ) -> list[int]:
     """Per-rank batches summing to `total` (a multiple of the ranks) that make the ranks' predicted steps
     (:func:`cost`) as equal as they can be with none below :data:`MIN_SHARE` of an equal share; equal shares while
-    the steps at equal shares are within `tolerance` of each other."""
+    the steps at equal shares are within `tolerance` of each other, or what shares could save is under
+    :data:`MIN_GAIN` of a step."""
     n, even = len(now), total // len(now)
     if any(t.forward_s <= 0 or t.batch <= 0 for t in now):
         return [even] * n
     costs = [cost(t, b) for t, b in zip(now, before or [None] * n, strict=True)]
     at_even = [fixed + per_image * even for fixed, per_image in costs]
-    if max(at_even) < tolerance * min(at_even):
+    gain = max(at_even) - sum(at_even) / n
+    if max(at_even) < tolerance * min(at_even) or gain < MIN_GAIN * max(t.step_s for t in now):
         return [even] * n
     floor = max(math.ceil(MIN_SHARE * even), 1)
     exact = _equal_times(total, costs, floor)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -180,8 +181,10 @@ class Trainer:
         # train.balance: shares of the batch follow the ranks' speeds (DDP only: FSDP's shards gather in step).
         self.balancing = train.balance and self.strategy == "ddp" and self.rt.world_size > 1
         self.even = (self.sampler, self.resumable, self.train_loader)
-        self.forward_s = self.optimizer_s = 0.0
-        self.timed_steps = 0
+        self.forward_s = 0.0
+        self.timed: list[tuple[float, float]] = []
+        """(forward, optimizer) seconds of each step since the last evaluation (shares)."""
+        self.walls: list[float] = []
         self.timings: list[shares.Timing] = []
         self.last_timings: list[shares.Timing] | None = None
         self.loss_weight = 1.0
@@ -247,6 +250,7 @@ class Trainer:
         for group in self.optim.param_groups:
             group["lr"] = lr
         self.optim.zero_grad(set_to_none=True)
+        self.forward_s = 0.0
         x, y = x.to(self.rt.device), y.to(self.rt.device)
         acc = self.thermal.accumulation
         parts = list(zip(x.chunk(acc), y.chunk(acc), strict=True))
@@ -271,8 +275,7 @@ class Trainer:
         start = time.perf_counter()
         self.scaler.step(self.optim)
         self.scaler.update()
-        self.optimizer_s += self._seconds_since(start)
-        self.timed_steps += 1
+        self.timed.append((self.forward_s, self._seconds_since(start)))
         self.comm.after_step(self.model)
         return total
 
@@ -334,6 +337,7 @@ class Trainer:
             seconds, last = now - last, now
             self.samples, self.train_seconds = self.samples + samples, self.train_seconds + seconds
             self.comm.ran(seconds)
+            self.walls.append(seconds)
             step += 1
             if log is not None:
                 row = {"step": step, "epoch": epoch, "loss": loss, "lr": lr, "comm_bytes": comm_bytes}
@@ -375,24 +379,23 @@ class Trainer:
         correct, count, loss_sum = both[:3].tolist()
         if timing is not None:
             values = both[len(both) - len(timing) :].tolist()
-            self.timings = [shares.Timing(round(values[i]), *values[i + 1 : i + 3]) for i in range(0, len(values), 3)]
+            self.timings = [shares.Timing(round(values[i]), *values[i + 1 : i + 4]) for i in range(0, len(values), 4)]
         check = None if modes is None else batchnorm.ModeCheck.from_counts(both[3 : 3 + len(modes)])
         if check is not None and check.warning and self.rt.is_main:
             tqdm.write(f"warning: {check.warning}", sys.stderr)
         return correct / max(count, 1), loss_sum / max(count, 1), check
 
     def _own_timing(self) -> torch.Tensor | None:
-        """With train.balance: zeros but for this rank's (batch, forward seconds a step, optimizer seconds a step)
-        since the last call, which the sum over the ranks makes every rank's shares.Timing."""
+        """With train.balance: zeros but for this rank's shares.Timing since the last call (the median step's: a
+        step the scheduler cut into is not the rank's speed), which the sum over the ranks makes every rank's."""
         if not self.balancing:
             return None
-        timing = torch.zeros(3 * self.rt.world_size, dtype=torch.float64, device=self.rt.device)
-        if self.timed_steps:
-            steps, at = self.timed_steps, 3 * self.rt.rank
-            own = [self.batches[self.rt.rank], self.forward_s / steps, self.optimizer_s / steps]
-            timing[at : at + 3] = torch.tensor(own, dtype=torch.float64)
-        self.forward_s = self.optimizer_s = 0.0
-        self.timed_steps = 0
+        timing = torch.zeros(4 * self.rt.world_size, dtype=torch.float64, device=self.rt.device)
+        if self.timed and self.walls:
+            forward, optimizer = (statistics.median(t) for t in zip(*self.timed, strict=True))
+            own = [self.batches[self.rt.rank], forward, optimizer, statistics.median(self.walls)]
+            timing[4 * self.rt.rank : 4 * self.rt.rank + 4] = torch.tensor(own, dtype=torch.float64)
+        self.timed, self.walls = [], []
         return timing
 
     def _rebalance(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,10 @@ def test_steps_within_the_tolerance_keep_equal_shares() -> None:
     assert shares.split(64, _timings(16, [0.10, 0.0, 0.10, 0.10])) == [16] * 4  # a rank that measured nothing
     # Twice as slow a forward pass, but the same optimizer step, which most of a step is: within 1.5x.
     assert shares.split(64, _timings(16, [0.01, 0.01, 0.01, 0.02], optimizer_s=0.2)) == [16] * 4
+    # Twice as slow, but on a link where a step takes 0.75 s: a few milliseconds to gain are not worth a reshuffle.
+    slow_link = [shares.Timing(16, f, 0.001, step_s=0.75) for f in (0.002, 0.002, 0.002, 0.004)]
+    assert shares.split(64, slow_link) == [16] * 4
+    assert shares.split(64, [replace(t, step_s=0.02) for t in slow_link]) != [16] * 4  # where the step is compute
 
 
 def test_a_half_speed_rank_gets_half_a_share_and_the_sum_is_kept() -> None:
