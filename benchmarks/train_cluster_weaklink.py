@@ -317,6 +317,8 @@ def summarise(records: list[dict[str, Any]], run_dir: Path) -> dict[str, Any]:
         "val_accuracy": summary["val_accuracy"],
         "bytes_sent": summary["bytes_sent"],
         "events": summary.get("events", []),
+        # train.balance: the epochs after which the devices' shares of the batch were not equal (0: never moved).
+        "unequal_share_epochs": sum(len(set(r.get("next_batches") or [0])) > 1 for r in records),
     }
 
 
@@ -347,7 +349,13 @@ def train(fleet: JetsonFleet, inv: Path, run_dir: Path, args: list[str], kill_at
     start_sample = next((s for s in watch.samples if s.t >= start), watch.samples[0])
     records = [json.loads(line) for line in (run_dir / layout.METRICS).read_text().splitlines()]
     row = {**summarise(records, run_dir), "wall_s": wall, "link_bytes": phases(watch.samples, start_sample), **lost}
-    return row | {"curve": accuracy_curve(records, validations_seen(watch.samples, start))}
+    curve = accuracy_curve(records, validations_seen(watch.samples, start))
+    # `auto` probes the link and the compute before rank 0's log exists: its seconds and bytes count too.
+    choice = read_json(run_dir / layout.SUMMARY).get("compression_choice") or {}
+    for point in curve:
+        point["wall_s"] += choice.get("probe_s", 0.0)
+        point["comm_bytes"] += choice.get("probe_bytes", 0)
+    return row | {"curve": curve, "probe": {k: choice.get(k) for k in ("method", "probe_s", "probe_bytes")}}
 
 
 def _lose_a_node(

@@ -53,6 +53,8 @@ class Choice:
     """Predicted seconds of each candidate per step of the plain run (DiLoCo's times its epochs factor)."""
     probe_s: float = 0.0
     """Seconds the probe took on this rank."""
+    probe_bytes: int = 0
+    """Bytes this rank handed to the probe's collectives (its link samples, mostly)."""
 
     def record(self) -> dict[str, Any]:
         """The summary's `compression_choice`."""
@@ -156,4 +158,7 @@ def probe(
     predicted = predict(link, compute.item(), params, knobs, dist.get_world_size(group), gradient)
     method, reason = decide(predicted)
     seconds = time.perf_counter() - start
-    return Choice(method, reason, 1000 * link.latency_s, link.mbit_per_s, compute.item(), predicted, seconds)
+    # Each link sample: 4 bytes to line the ranks up, 4 timed, PROBE_BYTES timed, and two float64 for the maximum.
+    sent = compute.element_size() + auto.WINDOW * (8 + auto.PROBE_BYTES + 16)
+    ms, mbit = 1000 * link.latency_s, link.mbit_per_s
+    return Choice(method, reason, ms, mbit, compute.item(), predicted, seconds, sent)

@@ -111,6 +111,7 @@ def test_every_rank_probes_alike_from_the_slowest_ranks_numbers(ranks: tuple[Pat
     assert [{k: p[k] for k in same} for p in probes] == [{k: probes[1][k] for k in same}] * 2
     assert probes[0]["method"] == autoplan.GRADIENTS  # one host: the link is no bottleneck
     assert probes[0]["compute_s"] > 0 and probes[0]["probe_s"] > 0
+    assert probes[0]["probe_bytes"] > 3 * 512 * 1024  # three link samples, counted against auto's bytes
 
 
 def test_a_resumed_run_keeps_the_choice_its_checkpoint_records(ranks: tuple[Path, list[dict[str, Any]]]) -> None:
