@@ -192,6 +192,24 @@ def train_gpu(data: dict[str, Any], rerun: dict[str, Any]) -> str:
     return table(["arm", "precision", "samples/s", "× fp32", "accuracy"], rows, right=(2, 3, 4))
 
 
+def train_slow_rank(data: dict[str, Any]) -> str:
+    """One rank held to half speed: median s/step after the first epoch against the all-equal run's, final accuracy
+    and its difference, and the batches the ranks ended with."""
+    rows = [
+        [
+            r["case"],
+            f"{r['median_s_per_step']:.3f}",
+            f"{r['vs_equal']:.2f}x",
+            f"{r['val_accuracy']:.4f}",
+            signed(r["accuracy_delta"]),
+            "/".join(map(str, r["batches"])) if r.get("batches") else "equal",
+        ]
+        for r in data["rows"]
+    ]
+    head = ["case", "s/step", "vs equal", "val accuracy", "vs equal", "batches at the end"]
+    return table(head, rows, right=(1, 2, 3, 4))
+
+
 def train_memory(data: dict[str, Any]) -> str:
     """What one rank holds under DDP and FSDP, and its peak RSS, in MiB."""
     keys = ("params_mb", "grads_mb", "optimizer_mb", "peak_rss_mb")
@@ -213,5 +231,6 @@ TABLES: dict[str, Callable[[], str]] = {
     "train_compression_changing": lambda: train_compression_changing(load("train_compression_changing")),
     "train_gpu": lambda: train_gpu(load("train_gpu"), load("train_gpu_fsdp")),
     "train_memory": lambda: train_memory(load("train_memory")),
+    "train_slow_rank": lambda: train_slow_rank(load("train_slow_rank")),
 }
 """Every table the page may name, by results file."""

@@ -180,8 +180,7 @@ class Trainer:
         self.train_seconds = 0.0
         # train.balance: shares of the batch follow the ranks' steps. DDP only (FSDP's shards gather in step), and
         # gradient methods only: the methods that average models weigh every rank's model alike, which is right for
-        # equal shares only (on the cluster benchmark, diloco with shares moving reached none's accuracy 3 epochs
-        # later: docs/measurements.md#shares-of-the-batch).
+        # equal shares only (docs/measurements.md#shares-of-the-batch).
         averages_models = registry.method(self.train_cfg).after_step is not None
         self.balancing = train.balance and self.strategy == "ddp" and self.rt.world_size > 1 and not averages_models
         self.even = (self.sampler, self.resumable, self.train_loader)
