@@ -278,12 +278,15 @@ class Trainer:
         start = time.perf_counter()
         self.scaler.step(self.optim)
         self.scaler.update()
-        self.timed.append((self.forward_s, self._seconds_since(start)))
+        if self.balancing:  # timing waits for the GPU: only where shares use it
+            self.timed.append((self.forward_s, self._seconds_since(start)))
         self.comm.after_step(self.model)
         return total
 
     def _timed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The model's output, with the seconds it took counted in this rank's timing (shares)."""
+        """The model's output, with the seconds it took counted in this rank's timing (shares) when balancing."""
+        if not self.balancing:
+            return self.model(x)
         start = time.perf_counter()
         out = self.model(x)
         self.forward_s += self._seconds_since(start)
