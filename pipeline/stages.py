@@ -14,7 +14,6 @@ from pipeline import registry
 from pipeline.config import DEFAULT_CONFIG, Config, apply_overrides, load_config, validate
 from pipeline.errors import PipelineError
 from pipeline.files import read_json
-from pipeline.holdout import Holdout
 from pipeline.layout import CONFIG_SNAPSHOT, DATASET
 from pipeline.manifest import RunDir, Stage, StageResult, create_run_dir
 
@@ -94,6 +93,8 @@ def nothing_new(cfg: Config, run: RunDir) -> str:
 def promote(cfg: Config, run: RunDir) -> registry.GateResult:
     """The champion/challenger gate, both exported models scored on the challenger's held-out images; recorded in
     the manifest under gates.promotion with both numbers and the split's fingerprint."""
+    from pipeline.holdout import Holdout  # imported here, as the stages are (table()): it imports torch
+
     challenger = run.manifest()["stages"]["train"]["metrics"]["val_accuracy"]
     holdout = Holdout(cfg.data, cfg.run.seed, run.path)
     gate = registry.promotion_gate(

@@ -159,3 +159,15 @@ def test_read_only_run_directory_is_one_line(tmp_path: Path, existing_run: Path,
     _assert_one_line_error(proc, f"{existing_run}")
     assert "Read-only file system" in proc.stderr
     assert _snapshot(existing_run) == before
+
+
+def test_commands_that_run_no_stage_import_no_stage_library(tmp_path: Path):
+    # torch, onnxruntime and sklearn cost seconds to import: `pipeline --help`, a bad config and `runs list` answer
+    # in well under a second because the stages are imported only when one runs (pipeline/stages.py, table()).
+    probe = (
+        "import sys\nfrom pipeline.cli import app\n"
+        "try:\n    app(['runs', 'list', '--root', sys.argv[1]])\nexcept SystemExit:\n    pass\n"
+        "print(sorted({'torch', 'onnxruntime', 'sklearn', 'prefect'} & set(sys.modules)))"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout + proc.stderr
