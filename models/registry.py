@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -11,7 +12,6 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
-from torchvision import models as tv
 
 from models.small_cnn import small_cnn
 from pipeline.errors import PipelineError
@@ -32,8 +32,11 @@ class ModelSpec:
     class count."""
 
 
-def _torchvision(factory: Callable[..., nn.Module]) -> Callable[[int, int], nn.Module]:
+def _torchvision(name: str) -> Callable[[int, int], nn.Module]:
     def build(num_classes: int, in_channels: int) -> nn.Module:
+        # Imported when built: torchvision imports all of its models and torch._dynamo, 1.8 s that every rank of a
+        # small_cnn run would pay for nothing.
+        factory = getattr(importlib.import_module("torchvision.models"), name)
         return factory(weights=None, num_classes=num_classes)  # random init: nothing is downloaded
 
     return build
@@ -41,8 +44,8 @@ def _torchvision(factory: Callable[..., nn.Module]) -> Callable[[int, int], nn.M
 
 MODELS: dict[str, ModelSpec] = {
     "small_cnn": ModelSpec(small_cnn, channels=None, min_size=8, head="5."),
-    "resnet18": ModelSpec(_torchvision(tv.resnet18), channels=3, min_size=32, head="fc."),
-    "mobilenet_v3_small": ModelSpec(_torchvision(tv.mobilenet_v3_small), channels=3, min_size=32, head="classifier.3."),
+    "resnet18": ModelSpec(_torchvision("resnet18"), channels=3, min_size=32, head="fc."),
+    "mobilenet_v3_small": ModelSpec(_torchvision("mobilenet_v3_small"), channels=3, min_size=32, head="classifier.3."),
 }
 
 
