@@ -74,6 +74,10 @@ class LinkSample:
         """Payload throughput of a large all-reduce, in Mbit/s."""
         return 8e-6 / self.s_per_byte if self.s_per_byte > 0 else float("inf")
 
+    def scaled(self, factor: float) -> "LinkSample":
+        """The link `factor` times as slow: latency and seconds per byte both."""
+        return LinkSample(self.latency_s * factor, self.s_per_byte * factor)
+
 
 def median_link(samples: Iterable[LinkSample]) -> LinkSample:
     """Median latency and median seconds per byte: one stalled sample moves neither."""
@@ -238,12 +242,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_link(group: dist.ProcessGroup | None, device: torch.device) -> LinkSample:
-    """Time a 4-byte and a :data:`PROBE_BYTES` all-reduce, after an untimed one that lines the ranks up."""
+def time_link(group: dist.ProcessGroup | None, device: torch.device, line_up: bool = True) -> LinkSample:
+    """Time a 4-byte and a :data:`PROBE_BYTES` all-reduce, after an untimed one that lines the ranks up unless
+    `line_up` is False (the ranks have just finished another collective, which lines them up as well)."""
     small = torch.zeros(1, device=device)
     large = torch.zeros(PROBE_BYTES // 4, device=device)
-    dist.all_reduce(small, group=group)
-    _sync(device)
+    if line_up:
+        dist.all_reduce(small, group=group)
+        _sync(device)
     timings = []
     for tensor in (small, large):
         start = time.perf_counter()
@@ -253,16 +259,23 @@ def time_link(group: dist.ProcessGroup | None, device: torch.device) -> LinkSamp
     return LinkSample.from_timings(timings[0], timings[1], PROBE_BYTES)
 
 
-def link_samples(group: dist.ProcessGroup | None, device: torch.device, count: int) -> list[LinkSample]:
-    """`count` link samples (:func:`time_link`), each the slowest rank's latency and seconds per byte: the same
-    list on every rank."""
+def link_samples(
+    group: dist.ProcessGroup | None, device: torch.device, count: int, lined_up: bool = False
+) -> list[LinkSample]:
+    """`count` link samples (:func:`time_link`) back to back, the ranks lined up before the first unless `lined_up`;
+    each the slowest rank's latency and seconds per byte: the same list on every rank."""
     if count == 0:
         return []
-    timed = [time_link(group, device) for _ in range(count)]
+    timed = [time_link(group, device, line_up=i == 0 and not lined_up) for i in range(count)]
     flat = torch.tensor([v for t in timed for v in (t.latency_s, t.s_per_byte)], dtype=torch.float64, device=device)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
     values = flat.tolist()
     return [LinkSample(values[i], values[i + 1]) for i in range(0, len(values), 2)]
+
+
+SAMPLE_BYTES = 4 + PROBE_BYTES + 16
+"""Bytes a link sample hands to collectives, the ranks already lined up: the two timed all-reduces and its two
+float64 in the maximum."""
 
 
 @dataclass
@@ -371,7 +384,8 @@ class AutoCompression(Compression):
             self.policy.samples.clear()
         self.sampled = (count, why)
         # Every rank decides, on the same numbers (the slowest rank's), so they agree without a broadcast.
-        self.last = self.policy.observe(self.steps, link_samples(self.group, self.device, count), compute, self.costs)
+        samples = link_samples(self.group, self.device, count, lined_up=True)  # just after the maximum above
+        self.last = self.policy.observe(self.steps, samples, compute, self.costs)
         if self.is_root:
             tqdm.write(f"{self.last.line()}; {count} link samples ({why})", file=sys.stderr)
         method = self.last.method

@@ -4,8 +4,8 @@ it switches between per step (:mod:`.auto`).
 DiLoCo cannot take over mid-run as a gradient method can: it averages models, not gradients, and `train.epochs =
 "auto"` plans it twice the epochs (its :attr:`~.method.Method.epochs_factor`). So the choice is made once, from a
 probe: every rank times a forward and backward pass of the model on its own batch and the link
-(:func:`.auto.link_samples`), the slowest rank's numbers count, and every rank predicts, per step of the plain run,
-the time to accuracy of
+(:func:`.auto.link_samples`: one sample where it settles the choice, else :data:`.auto.WINDOW`), the slowest rank's
+numbers count, and every rank predicts, per step of the plain run, the time to accuracy of
 
 - the gradient methods: compute plus the cheapest of their collectives (their encoding left out, which favours them);
 - DiLoCo: its epochs factor times compute plus its outer step's collective spread over `localsgd_period` steps.
@@ -37,6 +37,10 @@ DILOCO = diloco.METHOD.name
 """The choice of DiLoCo for the whole run."""
 COMPUTE_REPEATS = 3
 """Timed forward and backward passes of the probe (after an untimed one); the median counts."""
+SETTLE_FACTOR = 4.0
+"""One link sample settles the choice when the link this many times faster or slower would not change it; else the
+median of :data:`.auto.WINDOW` samples decides. On a weak link the probe's collectives go from 10 to 4, and the probe
+is time `auto` spends before it trains (docs/measurements.md#auto-chooses-diloco)."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,8 @@ class Choice:
     """Seconds the probe took on this rank."""
     probe_bytes: int = 0
     """Bytes this rank handed to the probe's collectives (its link samples, mostly)."""
+    link_samples: int = 0
+    """Link samples the probe took: 1 where the first settled the choice."""
 
     def record(self) -> dict[str, Any]:
         """The summary's `compression_choice`."""
@@ -68,7 +74,8 @@ class Choice:
             preds = ", ".join(f"{m} {s:.3f}" for m, s in sorted(self.predicted_s.items(), key=lambda kv: kv[1]))
             text += (
                 f"; link {self.latency_ms:.2f} ms + {self.mbit_per_s:.1f} Mbit/s, compute {self.compute_s:.3f} s; "
-                f"predicted s per plain-run step: {preds}; probe {self.probe_s:.1f} s"
+                f"predicted s per plain-run step: {preds}; probe {self.probe_s:.1f} s, {self.link_samples} link "
+                f"sample(s)"
             )
         return text
 
@@ -112,6 +119,22 @@ def decide(predicted: dict[str, float], band: float = auto.BAND) -> tuple[str, s
     return GRADIENTS, f"diloco not {band:.0%} faster to accuracy than {best}"
 
 
+def settled(
+    link: auto.LinkSample,
+    compute_s: float,
+    params: list[torch.Tensor],
+    knobs: Knobs,
+    world: int,
+    gradient: Iterable[Method],
+) -> bool:
+    """Whether the choice on `link` stands with the link :data:`SETTLE_FACTOR` times faster and as many times
+    slower (a slower link favours DiLoCo more: the two ends bound the choice)."""
+    gradient = list(gradient)
+    factors = (1 / SETTLE_FACTOR, 1.0, SETTLE_FACTOR)
+    choices = {decide(predict(link.scaled(f), compute_s, params, knobs, world, gradient))[0] for f in factors}
+    return len(choices) == 1
+
+
 def time_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast: Callable[[], Any]) -> float:
     """Median seconds of a forward and backward pass of `model` on (`x`, `y`), after an untimed one. The model is left
     as it was: its gradients dropped, BatchNorm's running statistics put back (no copy of the model: on a 4 GB board
@@ -151,14 +174,18 @@ def probe(
     start = time.perf_counter()
     x, y = batch
     compute = torch.tensor([time_step(model, x, y, autocast)], dtype=torch.float64, device=x.device)
+    # The slowest rank's step; and, like any collective, it lines the ranks up for the link samples.
     dist.all_reduce(compute, op=dist.ReduceOp.MAX, group=group)
-    link = auto.median_link(auto.link_samples(group, x.device, auto.WINDOW))
+    world = dist.get_world_size(group)
     params = [p for p in model.parameters() if p.requires_grad]
     gradient = [m for m in gradient if m.refuses(params, knobs) is None]
-    predicted = predict(link, compute.item(), params, knobs, dist.get_world_size(group), gradient)
+    samples = auto.link_samples(group, x.device, 1, lined_up=True)
+    if not settled(samples[0], compute.item(), params, knobs, world, gradient):
+        samples += auto.link_samples(group, x.device, auto.WINDOW - 1, lined_up=True)
+    link = auto.median_link(samples)
+    predicted = predict(link, compute.item(), params, knobs, world, gradient)
     method, reason = decide(predicted)
     seconds = time.perf_counter() - start
-    # Each link sample: 4 bytes to line the ranks up, 4 timed, PROBE_BYTES timed, and two float64 for the maximum.
-    sent = compute.element_size() + auto.WINDOW * (8 + auto.PROBE_BYTES + 16)
+    sent = compute.element_size() + len(samples) * auto.SAMPLE_BYTES
     ms, mbit = 1000 * link.latency_s, link.mbit_per_s
-    return Choice(method, reason, ms, mbit, compute.item(), predicted, seconds, sent)
+    return Choice(method, reason, ms, mbit, compute.item(), predicted, seconds, sent, len(samples))

@@ -54,6 +54,21 @@ def test_diloco_on_the_weak_link_and_the_gradient_methods_on_a_lan() -> None:
     assert lan["diloco"] == pytest.approx(2 * lan["none"], rel=0.05)
 
 
+def test_one_link_sample_settles_a_clear_choice_and_not_a_close_one() -> None:
+    net, params = _small_cnn()
+    knobs = _knobs(net)
+
+    def choice(link: LinkSample) -> str:
+        return autoplan.decide(autoplan.predict(link, 0.02, params, knobs, 4, CANDIDATES))[0]
+
+    assert autoplan.settled(WEAK, 0.02, params, knobs, 4, CANDIDATES)
+    assert autoplan.settled(LAN, 0.02, params, knobs, 4, CANDIDATES)
+    # Between them, a link where a factor of 4 changes the choice: there one sample does not settle it.
+    factors = [2 ** (-i / 2) for i in range(40)]
+    close = next(f for f in factors if choice(WEAK.scaled(f)) != choice(WEAK.scaled(f / 4)))
+    assert not autoplan.settled(WEAK.scaled(close), 0.02, params, knobs, 4, CANDIDATES)
+
+
 def test_the_outer_step_in_fp32_costs_four_times_the_bytes() -> None:
     net, params = _small_cnn()
     int8 = autoplan.outer_cost(params, _knobs(net))
@@ -111,7 +126,9 @@ def test_every_rank_probes_alike_from_the_slowest_ranks_numbers(ranks: tuple[Pat
     assert [{k: p[k] for k in same} for p in probes] == [{k: probes[1][k] for k in same}] * 2
     assert probes[0]["method"] == autoplan.GRADIENTS  # one host: the link is no bottleneck
     assert probes[0]["compute_s"] > 0 and probes[0]["probe_s"] > 0
-    assert probes[0]["probe_bytes"] > 3 * 512 * 1024  # three link samples, counted against auto's bytes
+    # One host: the first link sample settles it. Its bytes count against auto's.
+    assert probes[0]["link_samples"] == 1
+    assert probes[0]["probe_bytes"] == 8 + 512 * 1024 + 20
 
 
 def test_a_resumed_run_keeps_the_choice_its_checkpoint_records(ranks: tuple[Path, list[dict[str, Any]]]) -> None:
