@@ -128,7 +128,8 @@ def settled(
     gradient: Iterable[Method],
 ) -> bool:
     """Whether the choice on `link` stands with the link :data:`SETTLE_FACTOR` times faster and as many times
-    slower (a slower link favours DiLoCo more: the two ends bound the choice)."""
+    slower (while DiLoCo's outer step, spread over its period, costs less link time than a gradient step, a slower
+    link only favours it more: the two ends bound the choice)."""
     gradient = list(gradient)
     factors = (1 / SETTLE_FACTOR, 1.0, SETTLE_FACTOR)
     choices = {decide(predict(link.scaled(f), compute_s, params, knobs, world, gradient))[0] for f in factors}
