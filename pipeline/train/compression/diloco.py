@@ -54,6 +54,18 @@ class OuterStep:
             return 0
         return self._step(params)
 
+    def state(self, params: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The outer momentum, for a checkpoint (zeros before the first outer step). The anchor needs no copy: a
+        checkpoint is of settled models, which are the anchor."""
+        velocity = self.velocity or [torch.zeros_like(p) for p in params]
+        return {f"velocity.{i}": v for i, v in enumerate(velocity)}
+
+    def restore(self, params: list[torch.Tensor], state: dict[str, torch.Tensor]) -> None:
+        """Go on from a checkpoint: its momentum, and its (settled) parameters as the anchor, so that the next outer
+        step is a Nesterov step as it would have been, not a first one that only averages the models."""
+        self.anchor = [p.detach().clone() for p in params]
+        self.velocity = [state[f"velocity.{i}"] for i in range(len(params))]
+
     @torch.no_grad()
     def _step(self, params: list[torch.Tensor]) -> int:
         first = not self.anchor

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -78,6 +78,19 @@ class Averager(Protocol):
     def settle(self, params: list[torch.Tensor]) -> int:
         """Average now, unless the ranks' models are already one (warm-up, or the last step averaged them); the
         bytes handed to collectives."""
+        ...
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """An averager with state of its own that a checkpoint must keep (DiLoCo's outer momentum)."""
+
+    def state(self, params: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The tensors to save, the same on every rank; those a resume loads into, in place."""
+        ...
+
+    def restore(self, params: list[torch.Tensor], state: dict[str, torch.Tensor]) -> None:
+        """Go on from a checkpoint of settled `params` whose :meth:`state` was loaded into `state`."""
         ...
 
 
@@ -199,6 +212,17 @@ class Compression:
         if self.averager is None:
             return 0
         return self.averager.settle([p for p in model.parameters() if p.requires_grad])
+
+    def outer_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of the averager's own state: {} but for an averager that has one (DiLoCo's)."""
+        if not isinstance(self.averager, Stateful):
+            return {}
+        return self.averager.state([p for p in model.parameters() if p.requires_grad])
+
+    def restore_outer(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Give the averager back the state a checkpoint kept (:meth:`outer_state`, loaded)."""
+        if isinstance(self.averager, Stateful) and state:
+            self.averager.restore([p for p in model.parameters() if p.requires_grad], state)
 
     def ran(self, seconds: float) -> None:
         """Account a finished step's wall time to the method that ran it."""

@@ -4,6 +4,7 @@ Layout, which the consolidate stage reads::
 
     train/checkpoints/step-<N>/   DCP checkpoint of {"model": ..., "optim": ...} from ``get_state_dict``
                                   (plain model keys, no "module." prefix, the same under DDP and FSDP),
+                                  and "outer": DiLoCo's outer momentum (trainer.json's `outer_state`),
                                   rng-<rank>.pt (each rank's torch RNG state) and trainer.json (epoch, step,
                                   the position in an unfinished epoch, the gradient scaler's state)
     train/checkpoints/latest      relative symlink -> step-<N>, repointed only once step-<N> is complete
@@ -128,9 +129,9 @@ def prune(root: Path, keep: int) -> list[Path]:
     return doomed
 
 
-def _state(model: nn.Module, optim: Optimizer) -> dict[str, Any]:
+def _state(model: nn.Module, optim: Optimizer, outer: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     model_sd, optim_sd = get_state_dict(model, optim)
-    return {"model": model_sd, "optim": optim_sd}
+    return {"model": model_sd, "optim": optim_sd} | ({"outer": outer} if outer else {})
 
 
 def background(setting: bool | None, device: torch.device, across_nodes: bool) -> bool:
@@ -161,9 +162,13 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo") if asynchronous else None
         self._pending: tuple[Future[Any], Path, dict[str, Any]] | None = None
 
-    def save(self, model: nn.Module, optim: Optimizer, meta: dict[str, Any]) -> Path:
-        """Checkpoint step `meta["step"]` into `step-<N>/` on all ranks; returns before it is written when
-        asynchronous, after it is committed otherwise."""
+    def save(
+        self, model: nn.Module, optim: Optimizer, meta: dict[str, Any], outer: dict[str, torch.Tensor] | None = None
+    ) -> Path:
+        """Checkpoint step `meta["step"]` into `step-<N>/` on all ranks, with the compression's `outer` state if
+        any (recorded as `outer_state` in trainer.json); returns before it is written when asynchronous, after it is
+        committed otherwise."""
+        meta = meta | {"outer_state": bool(outer)}
         if self.group is not None:  # a foreground save was committed, and the ranks met, before it returned
             self.wait()  # the previous save is committed before the next one starts
         target = self.root / f"step-{meta['step']}"
@@ -176,7 +181,7 @@ class Checkpointer:
         # Durable and whole, or absent: an emptied rng file (a power cut after an in-place write) fails every resume.
         with atomic_path(target / f"rng-{dist.get_rank()}.pt") as tmp:
             torch.save(torch.get_rng_state(), tmp)
-        state = _state(model, optim)
+        state = _state(model, optim, outer)
         # Every replicated tensor (all of DDP's) in rank 0's file: a checkpoint is then whole without the files of the
         # other ranks, so one that leaves after the save does not take the newest checkpoint with it.
         planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
@@ -225,10 +230,13 @@ class Checkpointer:
             prune(self.root, self.keep)
 
 
-def load(step_dir: Path, model: nn.Module, optim: Optimizer) -> dict[str, Any]:
-    """Restore model and optimizer from a complete checkpoint on all ranks; return its trainer.json."""
+def load(
+    step_dir: Path, model: nn.Module, optim: Optimizer, outer: dict[str, torch.Tensor] | None = None
+) -> dict[str, Any]:
+    """Restore model and optimizer from a complete checkpoint on all ranks, and the compression's `outer` state in
+    place where the checkpoint has one (trainer.json's `outer_state`); return its trainer.json."""
     meta = read_meta(step_dir)
-    state = _state(model, optim)
+    state = _state(model, optim, outer if meta.get("outer_state") else None)
     safe_dcp.load(state, step_dir)
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rng = step_dir / f"rng-{dist.get_rank()}.pt"

@@ -208,7 +208,10 @@ class Trainer:
         found = self.resume_from
         if found is None:
             return 0, 0, 0
-        meta = checkpoint.load(found, self.model, self.optim)
+        outer = self.comm.outer_state(self.model)
+        meta = checkpoint.load(found, self.model, self.optim, outer)
+        if meta.get("outer_state"):
+            self.comm.restore_outer(self.model, outer)
         if meta.get("scaler"):
             self.scaler.load_state_dict(meta["scaler"])
         epoch, batch = meta.get("next_epoch", meta["epoch"] + 1), meta.get("next_batch", 0)
@@ -228,7 +231,7 @@ class Trainer:
         meta["compression"] = self.train_cfg.compression  # what `auto` chose, kept on resuming
         if not synced:  # DCP saves one rank's copy of replicated buffers: make them all rank 0's
             strategy.sync_buffers(self.model)
-        self.checkpointer.save(self.model, self.optim, meta)
+        self.checkpointer.save(self.model, self.optim, meta, self.comm.outer_state(self.model))
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, lr: float) -> float:
         """One optimizer step; on out-of-memory, retried with half the micro-batch while it can shrink."""

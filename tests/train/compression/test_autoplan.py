@@ -141,6 +141,9 @@ def test_a_resumed_run_keeps_the_choice_its_checkpoint_records(ranks: tuple[Path
     for summary, epochs in ((first, 2), (resumed, 4)):
         assert summary["compression"] == "auto" and set(summary["compression_seconds"]) == {"diloco"}
         assert summary["epochs"] == epochs  # a set count is the plain run's: DiLoCo trains twice it
+    # DiLoCo's outer momentum is in every checkpoint, for the resumed run to go on with.
+    steps = sorted((root / "run" / layout.CHECKPOINTS).glob("step-*"))
+    assert steps and all(json.loads((s / "trainer.json").read_text())["outer_state"] for s in steps)
     lines = [json.loads(x) for x in (root / "run" / layout.METRICS).read_text().splitlines()]
     steps = [r for r in lines if "loss" in r]
     assert len(steps) == 24 and {r["compression"] for r in steps} == {"diloco"}

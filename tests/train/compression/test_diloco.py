@@ -38,11 +38,37 @@ def two_outer_steps() -> dict[str, Any]:
     return {"after": after, "moves": moves, "sent": sent}
 
 
+def resumed_outer_steps() -> dict[str, Any]:
+    """On each rank: three rounds of a rank-specific move and an outer step, run straight through; with the outer
+    step rebuilt after the first round and given its state back (as a resume from a checkpoint does); and rebuilt
+    without it (as resuming did before the state was kept)."""
+    rank = dist.get_rank()
+    ends = {}
+    for how in ("straight", "restored", "forgotten"):
+        params = [torch.randn(20, 5, generator=torch.Generator().manual_seed(rank))]
+        outer = diloco.OuterStep(period=1, warmup_steps=0, lr=LR, momentum=MOMENTUM)
+        outer.average(params)
+        for round_ in (1, 2, 3):
+            params[0].add_(torch.randn(20, 5, generator=torch.Generator().manual_seed(100 * round_ + rank)))
+            outer.average(params)
+            if round_ == 1 and how != "straight":
+                saved = {k: v.clone() for k, v in outer.state(params).items()}
+                outer = diloco.OuterStep(period=1, warmup_steps=0, lr=LR, momentum=MOMENTUM)
+                if how == "restored":
+                    template = outer.state(params)  # what a checkpoint's outer state is loaded into, in place
+                    for key, tensor in template.items():
+                        tensor.copy_(saved[key])
+                    outer.restore(params, template)
+        ends[how] = params[0].tolist()
+    return ends
+
+
 def every_scenario(root: Path) -> None:
     """On each rank, in one process group (one spawn for every test here): each scenario's results."""
     runtime.init(validate({}, "test").train)
     try:
         out = {"fp32": two_outer_steps(), "int8": int8_outer_steps(), "settle": settle_between_outer_steps()}
+        out["resumed"] = resumed_outer_steps()
         (root / f"rank{dist.get_rank()}.json").write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
@@ -68,6 +94,14 @@ def test_the_outer_step_is_nesterov_on_the_averaged_change(scenarios: list[dict[
         anchor = [a - LR * (g + MOMENTUM * v) for a, g, v in zip(anchor, grad, velocity, strict=True)]
         torch.testing.assert_close([torch.tensor(p) for p in ranks[0]["after"][round_]], anchor)
     assert ranks[0]["sent"] == [4 * (100 + 3)] * 3  # one fp32 all-reduce of the parameters per outer step
+
+
+def test_a_resumed_outer_step_goes_on_as_if_never_stopped(scenarios: list[dict[str, Any]]) -> None:
+    for rank in scenarios:
+        ends = {how: torch.tensor(end) for how, end in rank["resumed"].items()}
+        torch.testing.assert_close(ends["restored"], ends["straight"])
+        # Without its momentum and anchor the next outer step only averages: somewhere else.
+        assert not torch.allclose(ends["forgotten"], ends["straight"], atol=1e-3)
 
 
 def int8_outer_steps() -> dict[str, Any]:
