@@ -119,21 +119,11 @@ def decide(predicted: dict[str, float], band: float = auto.BAND) -> tuple[str, s
     return GRADIENTS, f"diloco not {band:.0%} faster to accuracy than {best}"
 
 
-def settled(
-    link: auto.LinkSample,
-    compute_s: float,
-    params: list[torch.Tensor],
-    knobs: Knobs,
-    world: int,
-    gradient: Iterable[Method],
-) -> bool:
-    """Whether the choice on `link` stands with the link :data:`SETTLE_FACTOR` times faster and as many times
+def settled(choose: Callable[[auto.LinkSample], str], link: auto.LinkSample) -> bool:
+    """Whether `choose` (a link's choice) stands with `link` :data:`SETTLE_FACTOR` times faster and as many times
     slower (while DiLoCo's outer step, spread over its period, costs less link time than a gradient step, a slower
     link only favours it more: the two ends bound the choice)."""
-    gradient = list(gradient)
-    factors = (1 / SETTLE_FACTOR, 1.0, SETTLE_FACTOR)
-    choices = {decide(predict(link.scaled(f), compute_s, params, knobs, world, gradient))[0] for f in factors}
-    return len(choices) == 1
+    return len({choose(link.scaled(f)) for f in (1 / SETTLE_FACTOR, 1.0, SETTLE_FACTOR)}) == 1
 
 
 def time_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast: Callable[[], Any]) -> float:
@@ -180,8 +170,12 @@ def probe(
     world = dist.get_world_size(group)
     params = [p for p in model.parameters() if p.requires_grad]
     gradient = [m for m in gradient if m.refuses(params, knobs) is None]
+
+    def choose(link: auto.LinkSample) -> str:
+        return decide(predict(link, compute.item(), params, knobs, world, gradient))[0]
+
     samples = auto.link_samples(group, x.device, 1, lined_up=True)
-    if not settled(samples[0], compute.item(), params, knobs, world, gradient):
+    if not settled(choose, samples[0]):
         samples += auto.link_samples(group, x.device, auto.WINDOW - 1, lined_up=True)
     link = auto.median_link(samples)
     predicted = predict(link, compute.item(), params, knobs, world, gradient)

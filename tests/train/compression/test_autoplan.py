@@ -61,12 +61,12 @@ def test_one_link_sample_settles_a_clear_choice_and_not_a_close_one() -> None:
     def choice(link: LinkSample) -> str:
         return autoplan.decide(autoplan.predict(link, 0.02, params, knobs, 4, CANDIDATES))[0]
 
-    assert autoplan.settled(WEAK, 0.02, params, knobs, 4, CANDIDATES)
-    assert autoplan.settled(LAN, 0.02, params, knobs, 4, CANDIDATES)
+    assert autoplan.settled(choice, WEAK) and choice(WEAK) == autoplan.DILOCO
+    assert autoplan.settled(choice, LAN) and choice(LAN) == autoplan.GRADIENTS
     # Between them, a link where a factor of 4 changes the choice: there one sample does not settle it.
     factors = [2 ** (-i / 2) for i in range(40)]
     close = next(f for f in factors if choice(WEAK.scaled(f)) != choice(WEAK.scaled(f / 4)))
-    assert not autoplan.settled(WEAK.scaled(close), 0.02, params, knobs, 4, CANDIDATES)
+    assert not autoplan.settled(choice, WEAK.scaled(close))
 
 
 def test_the_outer_step_in_fp32_costs_four_times_the_bytes() -> None:
