@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 import models
 from pipeline import layout
 from pipeline.config import validate
-from pipeline.train.rank import runtime, shares
+from pipeline.train.rank import checkpoint, runtime, shares
 from pipeline.train.rank.worker import Trainer
 from tests.harness import cgroup
 from tests.train.ranks import run_ranks
@@ -124,3 +125,41 @@ def test_a_rank_held_to_a_fraction_of_a_core_gets_a_smaller_share(tmp_path: Path
     assert len({len(s) for s in steps.values()}) == 1  # every epoch the same number of steps, shares or not
     assert all(r["batch"] == 64 for r in steps[1])  # the global batch is kept
     assert epochs[-1]["val_accuracy"] >= 0.8
+
+
+def resume_mid_epoch_with_shares(root: Path) -> None:
+    """On each rank: 2 epochs of `none` with shares of 192 and 64 images from the first epoch's end, checkpointed every
+    2 steps; straight through, and again stopped after step 8 (mid-epoch 2) and resumed: the final models and steps."""
+    shares.split = lambda total, now, before=None, tolerance=shares.TOLERANCE: [3 * total // 4, total // 4]
+    train = {"epochs": 2, "batch_size": 256, "compression": "none", "checkpoint_every_steps": 2, "keep_checkpoints": 9}
+    cfg = validate({"train": train}, "test")
+    rt = runtime.init(cfg.train)
+    try:
+        ends = {}
+        for how in ("straight", "resumed"):
+            trainer = Trainer(cfg, root / how, rt)
+            summary = trainer.fit()
+            if how == "resumed":  # stop after step 8: the checkpoints past it were never written
+                checkpoints = root / how / layout.CHECKPOINTS
+                if dist.get_rank() == 0:
+                    for step in (10, 12):
+                        shutil.rmtree(checkpoints / f"step-{step}")
+                    checkpoint.point_latest(checkpoints, "step-8")
+                dist.barrier()
+                trainer = Trainer(cfg, root / how, rt)
+                summary = trainer.fit()
+            params = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+            ends[how] = {"params": params.tolist(), "steps": summary["steps"]}
+        (root / f"rank{dist.get_rank()}.json").write_text(json.dumps(ends))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_run_resumed_mid_epoch_goes_on_with_its_shares_as_if_never_stopped(tmp_path: Path) -> None:
+    run_ranks(resume_mid_epoch_with_shares, tmp_path)
+    for rank in (0, 1):
+        ends = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        torch.testing.assert_close(torch.tensor(ends["resumed"]["params"]), torch.tensor(ends["straight"]["params"]))
+        assert ends["resumed"]["steps"] == ends["straight"]["steps"] == 12
+    meta = json.loads((tmp_path / "resumed" / layout.CHECKPOINTS / "step-8" / "trainer.json").read_text())
+    assert meta["batches"] == [192, 64] and meta["next_batch"] == 2  # saved mid-epoch 2, with its shares
