@@ -212,8 +212,9 @@ class TrainConfig(Section):
     gradients are synchronised only after the last (`no_sync`). The global batch does not change."""
     checkpoint_every_steps: int | None = Field(None, ge=1)
     """Also checkpoint every this many optimizer steps (mid-epoch): a resume continues at the same batch of the same
-    epoch order, with each rank's RNG state, the optimizer and the gradient scaler restored. Unset: only at each
-    epoch's end."""
+    epoch order, with each rank's RNG state, the optimizer and the gradient scaler restored. Under `localsgd` and
+    `diloco` the save waits for the next averaging, when the ranks' models are one (up to `localsgd_period` steps
+    more). Unset: only at each epoch's end."""
     max_restarts: int = Field(0, ge=0, le=1000)
     """torchrun `--max-restarts`: when a rank dies, restart the whole group this many times; each restart resumes
     from `latest` (set `checkpoint_every_steps` to lose less than an epoch). The launcher sets

@@ -68,8 +68,18 @@ class CommCounter:
         return taken
 
 
+class Timetable(Protocol):
+    """When an averager averages (:class:`.localsgd.Schedule`), as the trainer reads it."""
+
+    in_sync: bool
+    """Whether the ranks' models are one now: in the warm-up and right after an averaging."""
+
+
 class Averager(Protocol):
     """What a method runs after each optimizer step (local SGD's model averaging)."""
+
+    schedule: Timetable
+    """When it averages."""
 
     def average(self, params: list[torch.Tensor]) -> int:
         """Average `params` across ranks when due; the bytes handed to collectives (0 when not due)."""
@@ -212,6 +222,11 @@ class Compression:
         if self.averager is None:
             return 0
         return self.averager.settle([p for p in model.parameters() if p.requires_grad])
+
+    def in_sync(self) -> bool:
+        """Whether every rank's model is the same now: always under the gradient methods; under a method that averages
+        models every few steps, in its warm-up and right after an averaging."""
+        return self.averager is None or self.averager.schedule.in_sync
 
     def outer_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """What a checkpoint keeps of the averager's own state: {} but for an averager that has one (DiLoCo's)."""

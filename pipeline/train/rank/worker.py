@@ -330,7 +330,7 @@ class Trainer:
             dynamic_ncols=True,
         )
         last = time.perf_counter()
-        every = self.cfg.train.checkpoint_every_steps
+        every, due = self.cfg.train.checkpoint_every_steps, False
         for index, (x, y) in enumerate(bar, start=skip + 1):
             lr = finetune.scheduled_lr(self.plan.lr, step, self.total_steps, self.warmup_steps)
             self.freezing = bool(self.frozen) and step < self.frozen_steps
@@ -357,8 +357,13 @@ class Trainer:
                 log.write({**row, "samples_per_s": samples / seconds})
             bar.set_postfix(loss=f"{loss:.3f}", refresh=False)  # the bar redraws at its own pace
             self.checkpointer.poll()
-            if every and step % every == 0 and index < self.steps_per_epoch:  # the epoch's end saves anyway
+            # Under a method that averages models every few steps, the save waits for the next averaging: saved
+            # before it, the checkpoint would be one rank's model alone (DCP keeps one copy of what DDP replicates),
+            # without the others' steps since the last averaging, and DiLoCo's anchor would be that model too.
+            due = due or bool(every and step % every == 0)
+            if due and self.comm.in_sync() and index < self.steps_per_epoch:  # the epoch's end saves anyway
                 self.save(epoch, step, next_batch=index)
+                due = False
         return step
 
     @torch.no_grad()

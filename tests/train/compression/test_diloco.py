@@ -13,7 +13,8 @@ import torch.distributed as dist
 from pipeline.config import validate
 from pipeline.train.compression import diloco
 from pipeline.train.rank import runtime
-from tests.train.compression.helpers import rank_results
+from pipeline.train.rank.worker import Trainer
+from tests.train.compression.helpers import method_config, rank_results
 
 LR, MOMENTUM = 0.7, 0.9
 
@@ -63,12 +64,29 @@ def resumed_outer_steps() -> dict[str, Any]:
     return ends
 
 
+def mid_epoch_saves(root: Path, rt: runtime.Runtime) -> list[dict[str, Any]]:
+    """One epoch of `diloco` (12 steps, an outer step every 8) asked to checkpoint every 5 steps: each save's step,
+    position in the epoch, and this rank's parameters as they were saved."""
+    trainer = Trainer(method_config("diloco", 1, 128, checkpoint_every_steps=5), root / "saves", rt)
+    saves, save = [], trainer.save
+
+    def recording(epoch: int, step: int, next_batch: int, synced: bool = False) -> None:
+        params = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+        saves.append({"step": step, "next_batch": next_batch, "params": params.tolist()})
+        save(epoch, step, next_batch, synced)
+
+    trainer.save = recording  # type: ignore[method-assign]
+    trainer.fit()
+    return saves
+
+
 def every_scenario(root: Path) -> None:
     """On each rank, in one process group (one spawn for every test here): each scenario's results."""
-    runtime.init(validate({}, "test").train)
+    rt = runtime.init(validate({}, "test").train)
     try:
         out = {"fp32": two_outer_steps(), "int8": int8_outer_steps(), "settle": settle_between_outer_steps()}
         out["resumed"] = resumed_outer_steps()
+        out["saves"] = mid_epoch_saves(root, rt)
         (root / f"rank{dist.get_rank()}.json").write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
@@ -102,6 +120,15 @@ def test_a_resumed_outer_step_goes_on_as_if_never_stopped(scenarios: list[dict[s
         torch.testing.assert_close(ends["restored"], ends["straight"])
         # Without its momentum and anchor the next outer step only averages: somewhere else.
         assert not torch.allclose(ends["forgotten"], ends["straight"], atol=1e-3)
+
+
+def test_a_checkpoint_asked_for_mid_period_waits_for_the_next_outer_step(scenarios: list[dict[str, Any]]) -> None:
+    saves = [s["saves"] for s in scenarios]
+    mid = [(a, b) for a, b in zip(*saves, strict=True) if a["next_batch"]]
+    assert mid and all(a["step"] >= 5 for a, _ in mid)
+    for a, b in mid:
+        # The models were one when saved (each rank trains alone between outer steps): the checkpoint is theirs.
+        assert a["step"] == b["step"] and a["params"] == b["params"]
 
 
 def int8_outer_steps() -> dict[str, Any]:
