@@ -5,6 +5,7 @@ The CLI and the Prefect flow both go through here, so `pipeline run` and the flo
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,21 +20,18 @@ from pipeline.manifest import RunDir, Stage, StageResult, create_run_dir
 
 STAGES = ("train", "consolidate", "export", "build", "deploy")
 """Stage names in pipeline order, for what must not import the stages (`pipeline runs list`, the report)."""
-
-
-def table() -> tuple[Stage, ...]:
-    """Every stage's record, in pipeline order. The stages are imported here, when a stage is about to run, so
-    that listing runs does not pay for importing torch."""
-    from pipeline import consolidate, deploy, engines, export, train
-
-    return (train.STAGE, consolidate.STAGE, export.STAGE, engines.STAGE, deploy.STAGE)
+MODULES = dict(zip(STAGES, ("train", "consolidate", "export", "engines", "deploy"), strict=True))
+"""The `pipeline` subpackage that holds each stage's record (`STAGE`)."""
 
 
 def stage_named(name: str) -> Stage:
-    """The record of the stage called `name`; a one-line error naming the known stages otherwise."""
+    """The record of the stage called `name`; a one-line error naming the known stages otherwise. Its module is
+    imported here, when the stage is about to run, and no other stage's: listing runs does not pay for importing
+    torch, nor training for export's ONNX libraries and deploy's SSH (3.5 s of a `pipeline train` process)."""
     if name not in STAGES:
         raise PipelineError(f"unknown stage {name!r} (known: {', '.join(STAGES)})")
-    return table()[STAGES.index(name)]
+    stage: Stage = importlib.import_module(f"pipeline.{MODULES[name]}").STAGE
+    return stage
 
 
 def open_run(config: Path | None, run_dir: Path | None, overrides: list[str] | None = None) -> tuple[Config, RunDir]:
@@ -93,7 +91,7 @@ def nothing_new(cfg: Config, run: RunDir) -> str:
 def promote(cfg: Config, run: RunDir) -> registry.GateResult:
     """The champion/challenger gate, both exported models scored on the challenger's held-out images; recorded in
     the manifest under gates.promotion with both numbers and the split's fingerprint."""
-    from pipeline.holdout import Holdout  # imported here, as the stages are (table()): it imports torch
+    from pipeline.holdout import Holdout  # imported here, as the stages are (stage_named): it imports torch
 
     challenger = run.manifest()["stages"]["train"]["metrics"]["val_accuracy"]
     holdout = Holdout(cfg.data, cfg.run.seed, run.path)

@@ -163,7 +163,7 @@ def test_read_only_run_directory_is_one_line(tmp_path: Path, existing_run: Path,
 
 def test_commands_that_run_no_stage_import_no_stage_library(tmp_path: Path):
     # torch, onnxruntime and sklearn cost seconds to import: `pipeline --help`, a bad config and `runs list` answer
-    # in well under a second because the stages are imported only when one runs (pipeline/stages.py, table()).
+    # in well under a second because the stages are imported only when one runs (pipeline/stages.py, stage_named).
     probe = (
         "import sys\nfrom pipeline.cli import app\n"
         "try:\n    app(['runs', 'list', '--root', sys.argv[1]])\nexcept SystemExit:\n    pass\n"
