@@ -115,6 +115,37 @@ class ModelConfig(Section):
     to train only the unfrozen part throughout."""
 
 
+class FederatedConfig(Section):
+    """`train.mode = "federated"`: rounds of Flower's federated averaging over the inventory's devices
+    (docs/how-to/federated.md)."""
+
+    rounds: int = Field(20, ge=1, le=100_000)
+    """Aggregation rounds: in each, the sampled idle devices train from the global model on their own images and
+    send back how far they moved it."""
+    local_epochs: float = Field(1.0, gt=0.0, le=1000.0)
+    """Passes over its own training images a device makes in one round."""
+    strategy: Literal["fedavg", "fedprox"] = "fedprox"
+    """How the devices' models are combined: `fedavg` (weighted by each device's image count) or `fedprox` (the same
+    average, with each device's training held near the global model by `proximal_mu`: made for devices whose
+    images differ, as cameras' scenes do)."""
+    proximal_mu: float = Field(0.01, ge=0.0)
+    """`fedprox`: weight of the proximal term mu/2 * ||w - w_global||^2 in each device's loss."""
+    fraction: float = Field(1.0, gt=0.0, le=1.0)
+    """Share of the connected devices sampled for a round (among the idle ones), at least `min_devices`."""
+    min_devices: int = Field(2, ge=1)
+    """Fewest idle devices a round starts with; with fewer, the server waits up to `wait_idle_s`, then skips the
+    round."""
+    wait_idle_s: int = Field(3600, ge=0)
+    """Seconds a round waits for `min_devices` idle devices before it is skipped (counted as a round)."""
+    round_timeout_s: int = Field(1800, ge=10)
+    """Deadline of a device's work in a round: one that has not answered by then is dropped from that round only."""
+    delta: Literal["int8", "fp32"] = "int8"
+    """What a device sends back: its model change in 8 bits (one scale per tensor, with error feedback: what rounding
+    left out is added to its next round's change) or in 32-bit floats."""
+    lr: float = Field(1e-3, gt=0.0)
+    """AdamW learning rate of each device's local training (its optimizer starts afresh every round)."""
+
+
 class TrainConfig(Section):
     epochs: Annotated[int, Field(ge=1, le=100_000)] | Literal["auto"] = "auto"
     """Passes over the training split. `auto`: 8, or more when that would make fewer than 120 optimizer steps (a
@@ -272,6 +303,12 @@ class TrainConfig(Section):
     inventory: Path | None = None
     """Fleet inventory TOML of the devices to train on over SSH (one torchrun agent per target, with the target's
     `python`, `nproc_per_node`, `ifname` and `addr`); unset: train on this machine."""
+    mode: Literal["sync", "federated"] = "sync"
+    """With `inventory`: `sync` trains one synchronous job across the devices (every step averaged over all of
+    them); `federated` runs Flower's federated averaging, each device training on its own images in its idle
+    windows (`idle`, `idle_check` in the inventory) and sending only its model change (`train.federated`)."""
+    federated: FederatedConfig = Field(default_factory=FederatedConfig)
+    """Federated training settings (`mode = "federated"`)."""
     devices: str | None = Field(None, pattern=r"^[1-9][0-9]*(:[1-9][0-9]*)?$")
     """With `inventory`: how many of the inventory's devices the SSH job needs, "N" or "MIN:MAX"; training goes on
     while at least MIN remain, and a device that comes back rejoins up to MAX. Unset: every device of the
@@ -286,6 +323,12 @@ class TrainConfig(Section):
                     f"train.env.{name}: looks like a secret, and train.env is written into the run's config.json: "
                     f"export it here and list {name} in train.pass_env instead"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _federated_needs_devices(self) -> TrainConfig:
+        if self.mode == "federated" and self.inventory is None:
+            raise ValueError('train.mode = "federated" needs train.inventory: the devices that train')
         return self
 
     @model_validator(mode="after")
@@ -479,6 +522,15 @@ class Config(Section):
     """Release to targets."""
     retrain: RetrainConfig = Field(default_factory=RetrainConfig)
     """Scheduled retraining: skip when nothing is new, promote only a model at least as good as the deployed one."""
+
+    @model_validator(mode="after")
+    def _federated_reads_each_devices_own_images(self) -> Config:
+        if self.train.mode == "federated" and (self.data.source != "imagefolder" or self.data.sync):
+            raise ValueError(
+                'train.mode = "federated" trains each device on its own images: it needs data.source = '
+                '"imagefolder" (data.path on each device) and data.sync = false'
+            )
+        return self
 
     def digest(self, *sections: str) -> str:
         """sha256 of the named sections (all when none): the config part of a stage's cache key."""

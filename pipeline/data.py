@@ -66,7 +66,10 @@ class Splits:
 
 def _split(labels: np.ndarray, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     idx = np.arange(len(labels))
-    train_idx, val_idx = train_test_split(idx, test_size=val_fraction, random_state=seed, stratify=labels)
+    try:
+        train_idx, val_idx = train_test_split(idx, test_size=val_fraction, random_state=seed, stratify=labels)
+    except ValueError:  # a class of one image (a camera's rare scene) cannot be on both sides: split at random
+        train_idx, val_idx = train_test_split(idx, test_size=val_fraction, random_state=seed)
     return np.sort(train_idx), np.sort(val_idx)
 
 

@@ -34,6 +34,9 @@ REQUIREMENTS = (
 )
 """(import name, pip requirement) of what the device side of training imports; docs/how-to/install-on-device.md
 lists them."""
+FEDERATED = ("flwr", "flwr>=1.30")
+"""What federated training's client imports besides (`train.mode = "federated"`): Flower, whose last release for
+Python 3.10 (JetPack 6) is 1.30."""
 TOMLI = ("tomli", "tomli>=2.0")
 """Python 3.10 has no tomllib: `pipeline.config` falls back to tomli there."""
 
@@ -165,6 +168,7 @@ def report(root):
         "python": "{}.{}.{}".format(*sys.version_info[:3]),
         "executable": sys.executable,
         "missing": missing_packages(),
+        "federated_missing": [req for name, req in [FEDERATED] if importlib.util.find_spec(name) is None],
         "code_path": where,
         "code_version": version,
         "mem_free": _mem_available(),

@@ -65,6 +65,12 @@ class SshTarget(_Strict):
     code: str = "ship"
     """Training: `ship` uploads the controller's code (verified, deduplicated); a directory on the device holding
     the `pipeline` and `models` packages runs that copy instead, refused unless it is the controller's version."""
+    idle: str = Field("", pattern=r"^(([01][0-9]|2[0-3]):[0-5][0-9]-([01][0-9]|2[0-3]):[0-5][0-9])?$")
+    """Federated training: the daily window the device may train in, "HH:MM-HH:MM" on the device's own clock and
+    timezone (it may cross midnight: "22:00-05:30"); "" = any time."""
+    idle_check: str = ""
+    """Federated training: a shell command run on the device before and during its work in a round; exit 0 means
+    idle (e.g. the inference service's GPU use under a threshold). "" = no check beyond `idle`."""
 
     @field_validator("name")
     @classmethod

@@ -91,7 +91,13 @@ def run(
         return StageResult("train", "done", reason=f"{where}: node 0 records the run")
 
     def body() -> StageResult:
-        if cfg.train.inventory is not None:
+        if cfg.train.mode == "federated":
+            from pipeline.train.cluster import federated  # Flower: only for federated training
+
+            cfg.train.passed_env()
+            run.save_config(cfg)  # what every device is sent
+            federated.run_federated(cfg, run.path, output)
+        elif cfg.train.inventory is not None:
             from pipeline.train.cluster import rounds  # asyncssh and the fleet: only for cluster training
             from pipeline.train.compression import registry
 

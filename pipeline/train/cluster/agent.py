@@ -39,10 +39,19 @@ def env_file(env: dict[str, str]) -> str:
     return "".join(f"export {name}={shlex.quote(value)}\n" for name, value in sorted(env.items()))
 
 
-def agent_script(run_dir: str, python: str, torchrun: list[str], token: str, addr: str) -> str:
-    """The shell wrapper that runs one device's torchrun agent (see the module docstring), its environment read from
-    ENV_FILE in `run_dir`."""
+def torchrun_command(run_dir: str, python: str, torchrun: list[str]) -> str:
+    """The shell command of a device's torchrun agent running the ranks' worker; `$me` is the device's address."""
     args = " ".join(shlex.quote(arg) for arg in torchrun)
+    return (
+        f'{python} -m torch.distributed.run {args} --local-addr "$me" \\\n'
+        f"  -m pipeline.train.rank.worker --run-dir {shlex.quote(run_dir)}"
+    )
+
+
+def agent_script(run_dir: str, command: str, token: str, addr: str) -> str:
+    """The shell wrapper that runs one device's `command` (a shell command line: torchrun's agent, or the federated
+    client; see the module docstring), its environment read from ENV_FILE in `run_dir`, `$me` set to the address
+    the other devices reach it at."""
     me = shlex.quote(addr) if addr else "$3"
     return f"""tok={token}
 marked() {{ for p in /proc/[0-9]*; do
@@ -57,8 +66,7 @@ cd {shlex.quote(run_dir)} || exit 2
 rm -f ./{ENV_FILE}
 set -- $SSH_CONNECTION
 me={me}
-PIPELINE_JOB=$tok {python} -m torch.distributed.run {args} --local-addr "$me" \\
-  -m pipeline.train.rank.worker --run-dir {shlex.quote(run_dir)} </dev/null 3<&- &
+PIPELINE_JOB=$tok {command} </dev/null 3<&- &
 agent=$!
 ( while read -r _; do :; done; stop ) <&3 >/dev/null 2>&1 &
 watcher=$!

@@ -25,7 +25,7 @@ from pipeline.fleet import upload
 from pipeline.fleet.ssh import FAILURES
 from pipeline.safe_dcp import read_metadata
 from pipeline.train.cluster import NodeCheck, bounds, check_one, nodedata, python_path
-from pipeline.train.cluster.agent import Printer, agent_script, env_file
+from pipeline.train.cluster.agent import Printer, agent_script, env_file, torchrun_command
 from pipeline.train.cluster.node import Node
 from pipeline.train.rank import checkpoint
 from pipeline.train.rank.runtime import DATA_LOCAL_ENV, DATA_PATH_ENV
@@ -252,7 +252,8 @@ class Job:
             # rides out, and TCP's wait to send again once the link is back.
             *("--rdzv-conf", f"is_host=0,join_timeout={patience},read_timeout={patience}", "--max-restarts", "0"),
         ]
-        return agent_script(node.run_dir, target.python, torchrun, self.token, target.addr)
+        command = torchrun_command(node.run_dir, target.python, torchrun)
+        return agent_script(node.run_dir, command, self.token, target.addr)
 
     def _agent_env(self, node: Node) -> dict[str, str]:
         """The environment of `node`'s agent and ranks."""

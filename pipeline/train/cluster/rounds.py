@@ -40,7 +40,7 @@ def run_on_devices(cfg: Config, run_dir: Path, output: Callable[[str], None] | N
     run_dir = Path(run_dir).resolve()
     checkpoint.resumable(run_dir / layout.CHECKPOINTS, cfg)
     with tempfile.TemporaryDirectory(prefix="cluster-") as tmp:
-        asyncio.run(_main(_train(cfg, run_dir, inventory, Path(tmp), Printer(output))))
+        asyncio.run(main_task(_train(cfg, run_dir, inventory, Path(tmp), Printer(output))))
 
 
 def node_data_fingerprint(cfg: Config) -> str:
@@ -54,7 +54,7 @@ def node_data_fingerprint(cfg: Config) -> str:
             code = code_bundle(Path(tmp))
             checks = await check_all(inventory, code, Path(tmp))
             refuse_unready(checks)
-            return await _node_data([c.target for c in checks], cfg, code.id)
+            return await node_data([c.target for c in checks], cfg, code.id)
 
         return nodedata.combined(asyncio.run(collect()))
 
@@ -67,7 +67,7 @@ async def _train(cfg: Config, run_dir: Path, inventory: Inventory, workdir: Path
     refuse_unready(checks, cfg.train.strategy)  # one line, exit 2, before anything starts anywhere
     data_record: dict[str, Any] = {"mode": "sent", "id": dataset.id} if dataset is not None else {}
     if nodedata.node_local(cfg):
-        data_record = nodedata.record(await _node_data([c.target for c in checks], cfg, code.id))
+        data_record = nodedata.record(await node_data([c.target for c in checks], cfg, code.id))
     job = Job(cfg, run_dir, checks, code, workdir, output, dataset)
     cluster, seconds = await _hosted(job, cfg.train.timeout_s)
     if data_record:
@@ -95,7 +95,7 @@ async def _hosted(job: Job, timeout_s: int) -> tuple[dict[str, Any], float]:
     return cluster, time.monotonic() - started
 
 
-async def _node_data(targets: list[SshTarget], cfg: Config, code_id: str) -> dict[str, nodedata.NodeData]:
+async def node_data(targets: list[SshTarget], cfg: Config, code_id: str) -> dict[str, nodedata.NodeData]:
     """Every device's own dataset (node-local `data.path`), reported by the device with the controller's code."""
 
     async def one(target: SshTarget) -> nodedata.NodeData:
@@ -118,7 +118,7 @@ def finish_summary(run_dir: Path, cluster: dict[str, Any], seconds: float) -> No
             fh.write(json.dumps(event) + "\n")
 
 
-async def _main(job: Awaitable[None]) -> None:
+async def main_task(job: Awaitable[None]) -> None:
     """Run `job`, cancelled by SIGTERM as by Ctrl-C, so that its clean-up runs (main thread only: a Prefect task's
     thread gets the SSH sessions' own clean-up when its process dies)."""
     task = asyncio.ensure_future(job)

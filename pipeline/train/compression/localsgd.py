@@ -81,6 +81,19 @@ class Fp32Averager:
         return sum(p.numel() * p.element_size() for p in params)
 
 
+def quantise_int8(
+    changes: list[torch.Tensor], residual: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+    """`changes` plus what the last call's rounding left out (`residual`, empty the first time) in 8 bits: one int8
+    per entry and one fp32 scale per tensor (its largest magnitude over 127); returns the int8 tensors, the scales
+    and the new residual (error feedback)."""
+    residual = residual or [torch.zeros_like(c) for c in changes]
+    deltas = [c + r for c, r in zip(changes, residual, strict=True)]
+    scales = torch.stack([d.abs().max() for d in deltas]).float().div_(127).clamp_(min=1e-30)
+    quantised = [d.div(s).round_().clamp_(-127, 127).to(torch.int8) for d, s in zip(deltas, scales, strict=True)]
+    return quantised, scales, [d - q.to(d.dtype) * s for d, q, s in zip(deltas, quantised, scales, strict=True)]
+
+
 class Int8Mean:
     """The mean over ranks of each rank's tensors (how far its model moved), sent in 8 bits: one int8 per entry and
     one fp32 scale per tensor, all-gathered, with error feedback (what rounding left out is added to the next
@@ -94,11 +107,7 @@ class Int8Mean:
     def mean(self, changes: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
         """The mean of `changes` over the ranks, and the bytes this rank sent."""
         world = dist.get_world_size(self.group)
-        residual = self.residual or [torch.zeros_like(c) for c in changes]
-        deltas = [c + r for c, r in zip(changes, residual, strict=True)]
-        scales = torch.stack([d.abs().max() for d in deltas]).float().div_(127).clamp_(min=1e-30)
-        quantised = [d.div(s).round_().clamp_(-127, 127).to(torch.int8) for d, s in zip(deltas, scales, strict=True)]
-        self.residual = [d - q.to(d.dtype) * s for d, q, s in zip(deltas, quantised, scales, strict=True)]
+        quantised, scales, self.residual = quantise_int8(changes, self.residual)
         payload = torch.cat([torch.cat([q.flatten() for q in quantised]), scales.view(torch.int8)])
         parts = [torch.empty_like(payload) for _ in range(world)]
         dist.all_gather(parts, payload, group=self.group)

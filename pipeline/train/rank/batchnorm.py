@@ -71,6 +71,8 @@ def recalibrate(
         for layer, momentum in zip(layers, momenta, strict=True):
             layer.momentum = momentum
         model.train(was_training)
+    if not dist.is_initialized():  # a federated device recalibrates alone: the server averages the devices'
+        return seen
     stats = [stat for layer in layers for stat in (layer.running_mean, layer.running_var) if stat is not None]
     collectives.all_reduce_flat(stats)
     for stat in stats:

@@ -23,7 +23,7 @@ from pipeline.fleet.inventory import SshTarget, load_inventory
 from pipeline.fleet.ssh import LINK_TIMEOUT_S, Device
 from pipeline.train.cluster import NodeCheck, nodedata
 from pipeline.train.cluster.node import Node
-from pipeline.train.cluster.rounds import _node_data
+from pipeline.train.cluster.rounds import node_data
 from tests import photos
 from tests.train.cluster.test_cluster import (
     forwarding,
@@ -87,7 +87,7 @@ def test_opening_a_device_later_with_an_unusable_key_is_one_line(tmp_path: Path)
         with pytest.raises(PipelineError, match=expected):
             asyncio.run(Node.connect(NodeCheck(target), "run-key", 1, LINK_TIMEOUT_S))
         with pytest.raises(PipelineError, match=expected):
-            asyncio.run(_node_data([target], load_config(), "code-id"))
+            asyncio.run(node_data([target], load_config(), "code-id"))
 
 
 def test_a_device_report_nested_too_deeply_is_one_line(jetson_fleet, forwarding, tmp_path: Path) -> None:

@@ -1,0 +1,110 @@
+"""Federated training (`train.mode = "federated"`) against stand-in cameras (tests/harness): real sshd per device,
+each with a private disk holding its own digits (a Dirichlet label skew), Flower's real server on the controller and
+a real Flower client on each device, reached through the device's SSH connection.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+from pipeline import layout
+from pipeline.files import read_json
+from tests.digit_folders import write_digit_folders
+from tests.train.cluster.test_cluster import (
+    inventory,
+    jetson_fleet,
+    marked_processes,
+    pipeline_cmd,
+    run_cli,
+    start_cluster,
+)
+
+__all__ = ["jetson_fleet"]  # a fixture, used by name
+
+WHERE = "/opt/edge/digits"
+"""Each device's own images: the same path on every private disk; the controller has no such folder."""
+FEDERATED = (
+    *("--set", "train.mode=federated", "--set", "data.source=imagefolder", "--set", f"data.path={json.dumps(WHERE)}"),
+    *("--set", "data.image_size=8", "--set", "data.augment=false", "--set", "model.name=small_cnn"),
+    *("--set", "train.federated.min_devices=2", "--set", "train.federated.lr=0.003"),
+)
+
+
+def rounds(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / layout.METRICS).read_text().splitlines()]
+
+
+def test_cameras_train_on_their_own_images_and_the_model_goes_on_through_the_chain(
+    jetson_fleet, tmp_path: Path
+) -> None:
+    fleet = start_cluster(jetson_fleet, 3)
+    write_digit_folders([t.disk / "digits" for t in fleet], alpha=0.5)
+    inv = inventory(fleet)
+    run_dir = tmp_path / "run"
+    args = ("--set", "train.federated.rounds=4", "--set", "train.federated.local_epochs=2")
+    out = run_cli("train", "--inventory", str(inv), "--run-dir", str(run_dir), *FEDERATED, *args, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert not Path(WHERE).exists()  # no image was ever on the controller
+    summary = read_json(run_dir / layout.SUMMARY)
+    assert summary["mode"] == "federated" and summary["rounds"] == 4
+    records = rounds(run_dir)
+    assert [r["round"] for r in records] == [1, 2, 3, 4]
+    assert all(sorted(r["took_part"]) == ["node-1", "node-2", "node-3"] for r in records)
+    assert records[-1]["val_accuracy"] > records[0]["val_accuracy"]
+    assert summary["val_accuracy"] == records[-1]["val_accuracy"] > 0.5
+    # Export's parity and accuracy gates need labelled images on the controller: the operator's own reference set.
+    reference = tmp_path / "reference"
+    write_digit_folders([reference], alpha=1000.0)
+    for stage in ("consolidate", "export"):
+        done = run_cli(
+            stage, "--run-dir", str(run_dir), "--set", f"data.path={json.dumps(str(reference))}", cwd=tmp_path
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+    assert read_json(run_dir / layout.MODEL_JSON)["classes"] == [str(c) for c in range(10)]
+    assert marked_processes(fleet) == []
+
+
+def wait_for_round(run_dir: Path, number: int, proc: subprocess.Popen[str], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (run_dir / layout.METRICS).exists() and len(rounds(run_dir)) >= number:
+            return
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        time.sleep(0.2)
+    raise AssertionError(f"round {number} not done in {timeout}s")
+
+
+def test_a_busy_camera_waits_and_a_killed_one_is_dropped_from_its_round_then_taken_back(
+    jetson_fleet, tmp_path: Path
+) -> None:
+    fleet = start_cluster(jetson_fleet, 3)
+    write_digit_folders([t.disk / "digits" for t in fleet], alpha=0.5)
+    # node-3 is busy (its inference service, say) while /opt/edge/busy exists on its disk.
+    fleet["node-3"].run("touch /opt/edge/busy")
+    inv = inventory(fleet, node_3={"idle_check": "test ! -e /opt/edge/busy"})
+    run_dir = tmp_path / "run"
+    args = ("--set", "train.federated.rounds=8", "--set", "train.federated.local_epochs=6")
+    cmd = pipeline_cmd("train", "--inventory", str(inv), "--run-dir", str(run_dir), *FEDERATED, *args)
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_round(run_dir, 1, proc)
+        first = rounds(run_dir)[0]
+        assert sorted(first["took_part"]) == ["node-1", "node-2"]
+        assert "idle check" in first["not_idle"]["node-3"]
+        fleet["node-3"].run("rm /opt/edge/busy")
+        time.sleep(1.0)  # well inside round 2's training
+        fleet["node-2"].run("pkill -KILL -f 'pipeline[.]train[.]rank[.]federated'")
+        output, _ = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, output[-3000:]
+    records = rounds(run_dir)
+    assert [r["round"] for r in records] == list(range(1, 9))
+    killed = [r for r in records[1:] if "node-2" not in r["took_part"]]
+    assert killed and killed[0]["failures"] == 1 and len(killed[0]["took_part"]) >= 2  # the round went on
+    assert "node-2" in records[-1]["took_part"] and "node-3" in records[-1]["took_part"]  # both taken back
+    assert read_json(run_dir / layout.SUMMARY)["rounds"] == 8
+    assert marked_processes(fleet) == []
