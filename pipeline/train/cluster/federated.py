@@ -42,6 +42,10 @@ from pipeline.train.cluster.node import Node
 from pipeline.train.cluster.rounds import main_task, node_data
 from pipeline.train.rank.federated import IDLE_CHECK_ENV, IDLE_WINDOW_ENV, NODE_ENV
 
+CENSUS_GRACE_S = 60.0
+"""Seconds the first round waits for every device found ready to connect, once `min_devices` have."""
+RAN_A_WHILE_S = 30.0
+"""A client that stopped after running this long is started again at once rather than after REJOIN_EVERY_S."""
 REJOIN_EVERY_S = 10.0
 """Seconds between attempts to start a device's client again after it stopped or could not be reached."""
 
@@ -75,7 +79,7 @@ async def _train(cfg: Config, run_dir: Path, inventory: Inventory, workdir: Path
     found = await node_data([c.target for c in ready], cfg, code.id)  # one line when their class names differ
     classes = next(iter(found.values())).classes
     fleet = Fleet(cfg, run_dir, ready, code.id, printer)
-    server = Server(cfg, run_dir, classes, printer.emit)
+    server = Server(cfg, run_dir, classes, len(ready), printer.emit)
     started = time.monotonic()
     keepers = [asyncio.create_task(fleet.keep_running(check, server.port)) for check in ready]
     try:
@@ -114,6 +118,7 @@ class Fleet:
         """Run the device's client until the run is done, starting it again after it stops."""
         name, said = check.target.name, ""
         while not self.done:
+            started = time.monotonic()
             try:
                 await self._run_once(check, port)
                 said = ""
@@ -122,8 +127,11 @@ class Fleet:
                 if why != said:
                     self.printer.emit("controller", f"{name}: {why}; trying again every {REJOIN_EVERY_S:.0f}s", "\n")
                     said = why
+            # A client that ran a while and stopped (killed, the device rebooted) is started again at once; one
+            # that cannot start, or stops as soon as it starts, is tried again every REJOIN_EVERY_S.
+            ran = time.monotonic() - started
             if not self.done:
-                await asyncio.sleep(REJOIN_EVERY_S)
+                await asyncio.sleep(1.0 if ran > RAN_A_WHILE_S else REJOIN_EVERY_S)
 
     async def _run_once(self, check: NodeCheck, port: int) -> None:
         """Connect, start the client with the config, forward its output, wait until it stops."""
@@ -164,11 +172,15 @@ class Fleet:
 class Server:
     """Flower's server on the controller's loopback, and the rounds, each checkpointed as it ends."""
 
-    def __init__(self, cfg: Config, run_dir: Path, classes: list[str], emit: Callable[[str, str, str], None]) -> None:
+    def __init__(
+        self, cfg: Config, run_dir: Path, classes: list[str], expected: int, emit: Callable[[str, str, str], None]
+    ) -> None:
         os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # read once, when Flower is first imported
         from pipeline.train.cluster import flower
 
         self.cfg, self.run_dir, self.classes, self.flower = cfg, run_dir, classes, flower
+        self.expected = expected
+        """Devices found ready: the first round waits (a while) for all of them to connect."""
         self.say = lambda text: emit("controller", text, "\n")
         self.manager = flower.IdleClientManager(cfg.train.federated, cfg.run.seed, self.say)
         self.port = flower.free_port()
@@ -203,11 +215,16 @@ class Server:
         return state.summary(self.classes)
 
     def _census(self) -> tuple[tuple[list[float], list[float]], int]:
-        """Normalisation statistics of every connected device's images together, once `min_devices` answer, and
-        their channel count."""
-        least = self.cfg.train.federated.min_devices
-        deadline = time.monotonic() + self.cfg.train.federated.wait_idle_s + 120
-        while len(answers := self.manager.ask()) < least:
+        """Normalisation statistics of the connected devices' images together, and their channel count: once every
+        device found ready has connected, or `min_devices` have and CENSUS_GRACE_S has passed."""
+        least, expected = self.cfg.train.federated.min_devices, self.expected
+        started = time.monotonic()
+        deadline = started + self.cfg.train.federated.wait_idle_s + CENSUS_GRACE_S
+        while True:
+            answers = self.manager.ask()
+            waited = time.monotonic() - started
+            if len(answers) >= expected or (len(answers) >= least and waited > CENSUS_GRACE_S):
+                break
             if time.monotonic() > deadline or self.manager.stopping.is_set():
                 raise PipelineError(f"train: fewer than {least} devices connected to the federated server")
             time.sleep(1.0)

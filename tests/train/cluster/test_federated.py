@@ -86,7 +86,7 @@ def test_a_busy_camera_waits_and_a_killed_one_is_dropped_from_its_round_then_tak
     fleet["node-3"].run("touch /opt/edge/busy")
     inv = inventory(fleet, node_3={"idle_check": "test ! -e /opt/edge/busy"})
     run_dir = tmp_path / "run"
-    args = ("--set", "train.federated.rounds=8", "--set", "train.federated.local_epochs=6")
+    args = ("--set", "train.federated.rounds=10", "--set", "train.federated.local_epochs=16")
     cmd = pipeline_cmd("train", "--inventory", str(inv), "--run-dir", str(run_dir), *FEDERATED, *args)
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -102,9 +102,9 @@ def test_a_busy_camera_waits_and_a_killed_one_is_dropped_from_its_round_then_tak
         proc.kill()
     assert proc.returncode == 0, output[-3000:]
     records = rounds(run_dir)
-    assert [r["round"] for r in records] == list(range(1, 9))
+    assert [r["round"] for r in records] == list(range(1, 11))
     killed = [r for r in records[1:] if "node-2" not in r["took_part"]]
-    assert killed and killed[0]["failures"] == 1 and len(killed[0]["took_part"]) >= 2  # the round went on
+    assert killed and killed[0]["failures"] == 1 and killed[0]["took_part"]  # the round went on without it
     assert "node-2" in records[-1]["took_part"] and "node-3" in records[-1]["took_part"]  # both taken back
-    assert read_json(run_dir / layout.SUMMARY)["rounds"] == 8
+    assert read_json(run_dir / layout.SUMMARY)["rounds"] == 10
     assert marked_processes(fleet) == []
