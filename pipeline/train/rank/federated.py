@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,8 +91,9 @@ def idle_now() -> str:
 class DeviceClient(Client):
     """The Flower client of this device: its images, its model, its change encoder."""
 
-    def __init__(self, cfg: Config) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: Config, name: str, busy: Callable[[], str] = idle_now) -> None:
+        self.cfg, self.name, self.busy = cfg, name, busy
+        """This device's inventory name, and what says why it may not train now ("" when it may)."""
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.rt = Runtime(0, 1, "none", device, runtime.resolve_precision(cfg.train, device))
         self.channels = models.spec_for(cfg.model.name).channels
@@ -121,14 +123,14 @@ class DeviceClient(Client):
     def get_properties(self, ins: GetPropertiesIns) -> GetPropertiesRes:
         """Idleness now, and what the server needs to know of the device's images (never the images)."""
         info = self.splits.info
-        props = {"node": os.environ.get(NODE_ENV, ""), "busy": idle_now(), "images": len(self.splits.train)}
+        props = {"node": self.name, "busy": self.busy(), "images": len(self.splits.train)}
         props |= {"classes": json.dumps(info.classes), "mean": json.dumps(self.own_stats[0])}
         props |= {"std": json.dumps(self.own_stats[1]), "channels": info.channels}
         return GetPropertiesRes(status=OK, properties=props)
 
     def fit(self, ins: FitIns) -> FitRes:
         """Train this round from the global model; the change, or nothing and why when the device got busy."""
-        busy = idle_now()
+        busy = self.busy()
         if busy:
             return _dropped(busy)
         start = time.monotonic()
@@ -173,7 +175,7 @@ class DeviceClient(Client):
                 total, self.steps = total + loss.item(), self.steps + 1
                 if time.monotonic() - checked > IDLE_EVERY_S:
                     checked = time.monotonic()
-                    if busy := idle_now():
+                    if busy := self.busy():
                         return total / self.steps, busy
                 if self.steps >= steps:
                     break
@@ -222,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = RunDir(args.run_dir).load_config()
         torch.set_num_threads(cfg.train.threads_per_rank)
-        client = DeviceClient(cfg)
+        client = DeviceClient(cfg, os.environ.get(NODE_ENV, ""))
     except PipelineError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code

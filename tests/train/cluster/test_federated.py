@@ -10,6 +10,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from pipeline import layout
 from pipeline.files import read_json
 from tests.digit_folders import write_digit_folders
@@ -37,12 +39,14 @@ def rounds(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / layout.METRICS).read_text().splitlines()]
 
 
-def test_cameras_train_on_their_own_images_and_the_model_goes_on_through_the_chain(
-    jetson_fleet, tmp_path: Path
-) -> None:
-    fleet = start_cluster(jetson_fleet, 3)
+def run_chain(jetson_fleet, tmp_path: Path, python: str | None = None) -> None:
+    """Three cameras (whose interpreter is `python`, this venv's by default) train four rounds on their own skewed
+    digits; consolidate and export take the result as they take any run's."""
+    extra_dirs = {"python": subprocess.check_output([python, "-c", "import sys; print(sys.base_prefix)"], text=True)
+                  .strip()} if python else {}  # fmt: skip
+    fleet = start_cluster(jetson_fleet, 3, **extra_dirs)
     write_digit_folders([t.disk / "digits" for t in fleet], alpha=0.5)
-    inv = inventory(fleet)
+    inv = inventory(fleet, **({t.name.replace("-", "_"): {"python": python} for t in fleet} if python else {}))
     run_dir = tmp_path / "run"
     args = ("--set", "train.federated.rounds=4", "--set", "train.federated.local_epochs=2")
     out = run_cli("train", "--inventory", str(inv), "--run-dir", str(run_dir), *FEDERATED, *args, cwd=tmp_path)
@@ -67,6 +71,11 @@ def test_cameras_train_on_their_own_images_and_the_model_goes_on_through_the_cha
     assert marked_processes(fleet) == []
 
 
+@pytest.mark.slow  # about 2.5 minutes; test_oldest_torch.py runs the same with Python 3.10 devices in `make test`
+def test_cameras_train_on_their_own_images_and_the_model_goes_on_through_the_chain(jetson_fleet, tmp_path) -> None:
+    run_chain(jetson_fleet, tmp_path)
+
+
 def wait_for_round(run_dir: Path, number: int, proc: subprocess.Popen[str], timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -77,6 +86,7 @@ def wait_for_round(run_dir: Path, number: int, proc: subprocess.Popen[str], time
     raise AssertionError(f"round {number} not done in {timeout}s")
 
 
+@pytest.mark.slow  # about 3 minutes: tests/train/cluster/test_flower.py covers busy devices in the quick suite
 def test_a_busy_camera_waits_and_a_killed_one_is_dropped_from_its_round_then_taken_back(
     jetson_fleet, tmp_path: Path
 ) -> None:

@@ -18,6 +18,7 @@ from pipeline import layout
 from pipeline.files import read_json
 from tests.harness import fixtures
 from tests.train.cluster.test_cluster import REPO, forwarding, inventory, marked_processes, run_cli, start_cluster
+from tests.train.cluster.test_federated import run_chain
 from tests.train.cluster.test_security import run_attacked_job
 
 jetson_fleet = fixtures.jetson_fleet
@@ -64,3 +65,8 @@ def test_on_python_3_10_devices_an_attacker_reaches_no_store_and_nothing_leaks(
     """tests/train/cluster/test_security.py's attacks, on devices with torch 2.5 (whose TCPStore serves a socket
     handed to it only with its legacy backend)."""
     run_attacked_job(jetson_fleet, tmp_path, str(OLDEST))
+
+
+def test_on_python_3_10_devices_federated_training_runs_with_flower_1_30(jetson_fleet, tmp_path: Path) -> None:
+    """JetPack 6's Python 3.10 has Flower 1.30 at most: its clients train with the controller's newer Flower server."""
+    run_chain(jetson_fleet, tmp_path, str(OLDEST))
