@@ -1,4 +1,5 @@
-"""The device side of training: the files a device imports to run `pipeline.train.rank.worker`, for `vermin`.
+"""The device side of training: the files a device imports to run `pipeline.train.rank.worker` (a rank) or
+`pipeline.train.rank.federated` (a federated client), for `vermin`.
 
 Found from the static import graph (grimp, which import-linter uses), so an import added to any of them is checked
 too: these files must run on the oldest device Python (3.10, JetPack 6). `make test` passes them to vermin. Imports
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import grimp
 
-ENTRY = "pipeline.train.rank.worker"
+ENTRIES = ("pipeline.train.rank.worker", "pipeline.train.rank.federated")
 
 
 def _source(module: str) -> Path:
@@ -47,12 +48,12 @@ def _imports_on_import(graph: grimp.ImportGraph, module: str) -> set[str]:
     }
 
 
-def device_modules(entry: str = ENTRY) -> set[str]:
-    """`entry`, every module it imports directly or not, and the packages whose `__init__` importing them runs."""
+def device_modules(entries: tuple[str, ...] = ENTRIES) -> set[str]:
+    """`entries`, every module they import directly or not, and the packages whose `__init__` importing them runs."""
     graph = grimp.build_graph("pipeline", "models", exclude_type_checking_imports=True)
     whole: set[str] = set()  # imported by the rank: all their imports followed
     body: set[str] = set()  # parents only: the imports their module body runs followed
-    todo = [(entry, True)]
+    todo = [(entry, True) for entry in entries]
     while todo:
         module, imported = todo.pop()
         if module in whole or (module in body and not imported):
@@ -64,9 +65,9 @@ def device_modules(entry: str = ENTRY) -> set[str]:
     return whole | body
 
 
-def device_files(entry: str = ENTRY) -> list[Path]:
+def device_files(entries: tuple[str, ...] = ENTRIES) -> list[Path]:
     """The source files of :func:`device_modules`, sorted."""
-    return sorted(_source(module).relative_to(Path.cwd()) for module in device_modules(entry))
+    return sorted(_source(module).relative_to(Path.cwd()) for module in device_modules(entries))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,10 @@ def test_set_can_replace_a_list_of_tables():
         # A secret's value would be written into config.json and the manifest.
         (['train.env={HF_TOKEN = "hf_x"}'], "train.env.HF_TOKEN: looks like a secret"),
         (['train.env={aws_secret_access_key = "x"}'], "list aws_secret_access_key in train.pass_env instead"),
+        # Federated training needs devices, each with its own images.
+        (["train.mode=federated"], 'train.mode = "federated" needs train.inventory'),
+        (["train.mode=federated", "train.inventory=inv.toml"], 'needs data.source = "imagefolder"'),
+        (["train.federated.strategy=fedsgd"], "train.federated.strategy: Input should be 'fedavg' or 'fedprox'"),
     ],
 )
 def test_bad_values_name_the_dotted_key(overrides, expected):
