@@ -83,6 +83,8 @@ def test_defaults_merge_into_targets_and_paths_expand(tmp_path: Path):
         (HEAD + targets("a", extra='service = "a b"'), r"targets\[0\] \(a\): service: .*'a b' is not a systemd unit"),
         (HEAD.replace("canary = 1", 'canary = ["zz"]') + targets("a"), r"policy: .*no target named 'zz'"),
         (HEAD + "[extra]\n" + targets("a"), r"unknown table \[extra\]"),
+        (HEAD + targets("a", extra='idle = "1:30-5:30"'), r"targets\[0\] \(a\): idle: String should match pattern"),
+        (HEAD + targets("a", extra='idle = "24:00-05:00"'), r"targets\[0\] \(a\): idle: String should match pattern"),
         (HEAD, r"needs at least one \[\[targets\]\]"),
     ],
 )
