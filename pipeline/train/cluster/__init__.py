@@ -66,6 +66,13 @@ def code_bundle(workdir: Path) -> upload.Bundle:
     return upload.bundle(version, {CODE_ZIP: archive})
 
 
+def run_key(run_dir: Path) -> str:
+    """The run's directory name on every device: the controller's, unique per controller path, and of characters no
+    shell reads as syntax (the name comes from a config or a Prefect parameter)."""
+    safe_name = re.sub(r"[^A-Za-z0-9_.-]", "_", run_dir.name)[:64]
+    return f"{safe_name}-{hashlib.sha256(str(run_dir).encode()).hexdigest()[:8]}"
+
+
 def code_dir(target: SshTarget) -> str:
     """Where shipped code versions live on the device."""
     return f"{target.root}/train/code"

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
-import re
 import secrets
 import shlex
 import tempfile
@@ -36,7 +34,8 @@ from pipeline.errors import PipelineError
 from pipeline.files import write_json
 from pipeline.fleet.inventory import Inventory, load_inventory
 from pipeline.fleet.ssh import FAILURES
-from pipeline.train.cluster import NodeCheck, check_all, code_bundle, python_path
+from pipeline.fleet.upload import Bundle
+from pipeline.train.cluster import NodeCheck, check_all, check_one, code_bundle, python_path, run_key
 from pipeline.train.cluster.agent import Printer, agent_script, env_file
 from pipeline.train.cluster.node import Node
 from pipeline.train.cluster.rounds import main_task, node_data
@@ -78,10 +77,12 @@ async def _train(cfg: Config, run_dir: Path, inventory: Inventory, workdir: Path
         )
     found = await node_data([c.target for c in ready], cfg, code.id)  # one line when their class names differ
     classes = next(iter(found.values())).classes
-    fleet = Fleet(cfg, run_dir, ready, code.id, printer)
+    fleet = Fleet(cfg, run_dir, code, workdir, classes, printer)
     server = Server(cfg, run_dir, classes, len(ready), printer.emit)
     started = time.monotonic()
-    keepers = [asyncio.create_task(fleet.keep_running(check, server.port)) for check in ready]
+    # Devices unreachable now (a camera switched off) are tried again all along, and take part once they answer.
+    joining = ready + [c for c in checks if c.status == "unreachable"]
+    keepers = [asyncio.create_task(fleet.keep_running(check, server.port)) for check in joining]
     try:
         async with asyncio.timeout(cfg.train.timeout_s):
             summary = await asyncio.to_thread(server.run)
@@ -101,11 +102,12 @@ async def _train(cfg: Config, run_dir: Path, inventory: Inventory, workdir: Path
 class Fleet:
     """The devices' Flower clients, each kept running (started again when it stops) until the run is done."""
 
-    def __init__(self, cfg: Config, run_dir: Path, ready: list[NodeCheck], code_id: str, printer: Printer) -> None:
-        self.cfg, self.code_id, self.printer = cfg, code_id, printer
+    def __init__(
+        self, cfg: Config, run_dir: Path, code: Bundle, workdir: Path, classes: list[str], printer: Printer
+    ) -> None:
+        self.cfg, self.code, self.workdir, self.classes, self.printer = cfg, code, workdir, classes, printer
         self.config_file = run_dir / layout.CONFIG_SNAPSHOT
-        safe_name = re.sub(r"[^A-Za-z0-9_.-]", "_", run_dir.name)[:64]
-        self.key = f"{safe_name}-{hashlib.sha256(str(run_dir).encode()).hexdigest()[:8]}"
+        self.key = run_key(run_dir)
         self.token = secrets.token_hex(8)
         self.done = False
 
@@ -115,8 +117,17 @@ class Fleet:
         return sum(c.bytes_sent for c in checks)
 
     async def keep_running(self, check: NodeCheck, port: int) -> None:
-        """Run the device's client until the run is done, starting it again after it stops."""
+        """Run the device's client until the run is done, starting it again after it stops; a device that was not
+        reachable at the start is checked (and given the code) first, and refused if its class names differ."""
         name, said = check.target.name, ""
+        while check.status != "ready" and not self.done:
+            await asyncio.sleep(REJOIN_EVERY_S)
+            check = await check_one(check.target, self.code, self.workdir)
+            if check.status == "refused":
+                self.printer.emit("controller", f"{name}: refused: {check.reason}; left out", "\n")
+                return
+            if check.status == "ready" and not await self._same_classes(check):
+                return
         while not self.done:
             started = time.monotonic()
             try:
@@ -132,6 +143,15 @@ class Fleet:
             ran = time.monotonic() - started
             if not self.done:
                 await asyncio.sleep(1.0 if ran > RAN_A_WHILE_S else REJOIN_EVERY_S)
+
+    async def _same_classes(self, check: NodeCheck) -> bool:
+        """True when the device's folder has the run's class names; else says so (the device is left out)."""
+        found = (await node_data([check.target], self.cfg, self.code.id))[check.target.name]
+        if found.classes != self.classes:
+            self.printer.emit(
+                "controller", f"{check.target.name}: its class folders differ from the run's; left out", "\n"
+            )
+        return found.classes == self.classes
 
     async def _run_once(self, check: NodeCheck, port: int) -> None:
         """Connect, start the client with the config, forward its output, wait until it stops."""
@@ -160,9 +180,9 @@ class Fleet:
         return {
             **self.cfg.train.env,
             **self.cfg.train.passed_env(),
-            "PYTHONPATH": python_path(target, self.code_id),
+            "PYTHONPATH": python_path(target, self.code.id),
             "OMP_NUM_THREADS": str(self.cfg.train.threads_per_rank),
-            "FLWR_TELEMETRY_ENABLED": "0",  # Flower reports usage to flower.ai by default: not from a camera
+            "FLWR_TELEMETRY_ENABLED": os.environ.get("FLWR_TELEMETRY_ENABLED", "0"),  # see rank/federated.py
             NODE_ENV: target.name,
             IDLE_WINDOW_ENV: target.idle,
             IDLE_CHECK_ENV: target.idle_check,
@@ -175,7 +195,6 @@ class Server:
     def __init__(
         self, cfg: Config, run_dir: Path, classes: list[str], expected: int, emit: Callable[[str, str, str], None]
     ) -> None:
-        os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # read once, when Flower is first imported
         from pipeline.train.cluster import flower
 
         self.cfg, self.run_dir, self.classes, self.flower = cfg, run_dir, classes, flower

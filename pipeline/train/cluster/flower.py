@@ -14,6 +14,7 @@ can connect at all (docs/how-to/federated.md#security).
 from __future__ import annotations
 
 import json
+import os
 import random
 import socket
 import threading
@@ -24,6 +25,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from pipeline.config import FederatedConfig
+from pipeline.train.rank import fedwire
+
+# Flower's usage reports to flower.ai: off unless the user turned them on, as on the devices (rank/federated.py).
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 from flwr.common import (
     EvaluateIns,
     EvaluateRes,
@@ -38,9 +45,6 @@ from flwr.server import Server, SimpleClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import FedAvg, FedProx, Strategy
 from flwr.server.superlink.fleet.grpc_bidi.grpc_server import start_grpc_server
-
-from pipeline.config import FederatedConfig
-from pipeline.train.rank import fedwire
 
 ASK_TIMEOUT_S = 30.0
 """Seconds a device has to answer the server's question whether it is idle."""

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import re
 import secrets
 import shlex
 import time
@@ -24,7 +22,7 @@ from pipeline.files import first_line, fsync_dir
 from pipeline.fleet import upload
 from pipeline.fleet.ssh import FAILURES
 from pipeline.safe_dcp import read_metadata
-from pipeline.train.cluster import NodeCheck, bounds, check_one, nodedata, python_path
+from pipeline.train.cluster import NodeCheck, bounds, check_one, nodedata, python_path, run_key
 from pipeline.train.cluster.agent import Printer, agent_script, env_file, torchrun_command
 from pipeline.train.cluster.node import Node
 from pipeline.train.rank import checkpoint
@@ -92,10 +90,7 @@ class Job:
         self.minimum, self.maximum = bounds(cfg.train.devices, len(nodes))
         self.ready, self.away = nodes[: self.maximum], list(nodes[self.maximum :])
         self.printer = printer
-        # The run's directory on every device: named after the controller's, unique per controller path, and of
-        # characters no shell reads as syntax (the name comes from a config or a Prefect parameter).
-        safe_name = re.sub(r"[^A-Za-z0-9_.-]", "_", run_dir.name)[:64]
-        self.key = f"{safe_name}-{hashlib.sha256(str(run_dir).encode()).hexdigest()[:8]}"
+        self.key = run_key(run_dir)
         self.token = secrets.token_hex(8)
         self.events: list[Event] = []
         self.last_step = 0

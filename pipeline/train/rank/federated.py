@@ -30,6 +30,20 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+import models
+from pipeline import data
+from pipeline.config import Config
+from pipeline.errors import PipelineError
+from pipeline.library_warnings import route_library_warnings
+from pipeline.manifest import RunDir
+from pipeline.train.rank import batchnorm, fedwire, runtime, stepping
+from pipeline.train.rank.runtime import Runtime
+
+# Flower reports usage to flower.ai unless FLWR_TELEMETRY_ENABLED is 0, read once when it is first imported: off here
+# unless the user turned it on (docs/how-to/federated.md#security).
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 from flwr.client import Client, start_client
 from flwr.common import (
     Code,
@@ -44,16 +58,6 @@ from flwr.common import (
     ndarrays_to_parameters,
     parameters_to_ndarrays,
 )
-from torch.utils.data import DataLoader
-
-import models
-from pipeline import data
-from pipeline.config import Config
-from pipeline.errors import PipelineError
-from pipeline.library_warnings import route_library_warnings
-from pipeline.manifest import RunDir
-from pipeline.train.rank import batchnorm, fedwire, runtime, stepping
-from pipeline.train.rank.runtime import Runtime
 
 IDLE_WINDOW_ENV = "PIPELINE_IDLE_WINDOW"
 IDLE_CHECK_ENV = "PIPELINE_IDLE_CHECK"
