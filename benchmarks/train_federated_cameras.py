@@ -15,8 +15,8 @@ own size, no augmentation):
   sends the controller's folder of all the digits to every device; each rank trains on its shard), `train.epochs`
   at its default. Its bytes are what every rank handed to the gradient all-reduce (rank 0's `comm_bytes` per step,
   times the ranks: each sends the same), at each epoch's validation;
-- `federated int8` (the default: FedProx, int8 changes), `federated fp32` (FedProx, fp32 changes) and `fedavg int8`
-  (FedAvg): `train.mode = "federated"` over the cameras' own folders, `--rounds` rounds. Their bytes are the model
+- `federated int8` (the default: FedProx, int8 changes) and `federated fp32` (FedProx, fp32 changes):
+  `train.mode = "federated"` over the cameras' own folders, `--rounds` rounds. Their bytes are the model
   sent to each sampled camera plus the changes sent back (metrics.jsonl's `bytes_down` + `bytes_up`), cumulated
   round by round; their accuracy is over every camera's own validation images.
 
@@ -58,7 +58,6 @@ COMMON = (
 RUNS = {
     "federated int8": (),
     "federated fp32": ("--set", "train.federated.delta=fp32"),
-    "fedavg int8": ("--set", "train.federated.strategy=fedavg"),
 }
 
 

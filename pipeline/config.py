@@ -122,8 +122,9 @@ class FederatedConfig(Section):
     rounds: int = Field(20, ge=1, le=100_000)
     """Aggregation rounds: in each, the sampled idle devices train from the global model on their own images and
     send back how far they moved it."""
-    local_epochs: float = Field(1.0, gt=0.0, le=1000.0)
-    """Passes over its own training images a device makes in one round."""
+    local_epochs: float = Field(5.0, gt=0.0, le=1000.0)
+    """Passes over its own training images a device makes in one round. 5 with `lr` 3e-3 reached the highest accuracy
+    in 20 rounds of those tried on 10 devices with skewed digits (docs/how-to/federated.md#the-defaults)."""
     strategy: Literal["fedavg", "fedprox"] = "fedprox"
     """How the devices' models are combined: `fedavg` (weighted by each device's image count) or `fedprox` (the same
     average, with each device's training held near the global model by `proximal_mu`: made for devices whose
@@ -142,7 +143,7 @@ class FederatedConfig(Section):
     delta: Literal["int8", "fp32"] = "int8"
     """What a device sends back: its model change in 8 bits (one scale per tensor, with error feedback: what rounding
     left out is added to its next round's change) or in 32-bit floats."""
-    lr: float = Field(1e-3, gt=0.0)
+    lr: float = Field(3e-3, gt=0.0)
     """AdamW learning rate of each device's local training (its optimizer starts afresh every round)."""
 
 
