@@ -34,6 +34,7 @@ import contextlib
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -196,6 +197,7 @@ def main() -> None:
     args = parser.parse_args()
     if why := harness_unavailable(network=True):
         sys.exit(f"error: {why}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the with-blocks still tear everything down
     result: dict[str, Any] = {"devices": args.devices, "alpha": args.alpha, "rounds": args.rounds}
     result |= {"period_s": args.period_s, "model": "small_cnn", "image_size": 8, "cpus": os.cpu_count()}
     with tempfile.TemporaryDirectory() as tmp:
