@@ -204,7 +204,6 @@ class Server:
         self.manager = flower.IdleClientManager(cfg.train.federated, cfg.run.seed, self.say)
         self.port = flower.free_port()
         self.grpc = flower.listen(self.manager, self.port)
-        self.rounds: Any = None
 
     def run(self) -> dict[str, Any]:
         """Every round from the last checkpointed one on; returns the summary's fields."""
@@ -218,20 +217,23 @@ class Server:
         initial = state.arrays()
         config = {"mean": json.dumps(state.stats[0]), "std": json.dumps(state.stats[1])}
         inner = flower.strategy(fed, initial, lambda number: {"round": number, **config})
-        self.rounds = flower.Rounds(fed, self.manager, inner, initial)
+        rounds = flower.Rounds(fed, self.manager, inner, initial)
+        sent = {"model_down": 0, "changes_up": 0}
         (self.run_dir / layout.METRICS).parent.mkdir(parents=True, exist_ok=True)
         with (self.run_dir / layout.METRICS).open("a") as log:
             for number in range(state.round + 1, fed.rounds + 1):
                 if self.manager.stopping.is_set():
                     break
-                model, record = self.rounds.run_one(number)
+                model, record = rounds.run_one(number)
                 if model is not None:
                     state.save(number, model, record.get("val_accuracy"))
+                sent["model_down"] += record["bytes_down"]
+                sent["changes_up"] += record["bytes_up"]
                 log.write(json.dumps(record) + "\n")
                 log.flush()
                 self.say(_line(record))
-        self.rounds.end()
-        return state.summary(self.classes)
+        rounds.end()
+        return state.summary(self.classes) | {"bytes": sent}
 
     def _census(self) -> tuple[tuple[list[float], list[float]], int]:
         """Normalisation statistics of the connected devices' images together, and their channel count: once every

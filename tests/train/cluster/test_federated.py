@@ -54,6 +54,9 @@ def run_chain(jetson_fleet, tmp_path: Path, python: str | None = None) -> None:
     assert not Path(WHERE).exists()  # no image was ever on the controller
     summary = read_json(run_dir / layout.SUMMARY)
     assert summary["mode"] == "federated" and summary["rounds"] == 4
+    # What travelled: the fp32 model down to each camera, its change up in int8 (a quarter, and a few headers).
+    assert summary["bytes"]["model_down"] == sum(r["bytes_down"] for r in rounds(run_dir))
+    assert 0 < summary["bytes"]["changes_up"] < summary["bytes"]["model_down"] / 3
     records = rounds(run_dir)
     assert [r["round"] for r in records] == [1, 2, 3, 4]
     assert all(sorted(r["took_part"]) == ["node-1", "node-2", "node-3"] for r in records)

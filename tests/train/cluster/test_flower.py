@@ -35,7 +35,7 @@ def device_config(folder: Path, **federated: object) -> Config:
 def test_idle_devices_train_rounds_and_a_busy_one_sits_out(tmp_path: Path) -> None:
     folders = [tmp_path / f"cam-{i}" for i in range(3)]
     write_digit_folders(folders, alpha=0.5)
-    cfgs = [device_config(f, lr=0.003, local_epochs=2) for f in folders]
+    cfgs = [device_config(f, lr=0.003, local_epochs=2, wait_idle_s=2) for f in folders]
     busy = {"cam-2": "its idle check exited 1"}
     clients = [DeviceClient(c, f.name, lambda n=f.name: busy.get(n, "")) for c, f in zip(cfgs, folders, strict=True)]
 
@@ -70,6 +70,8 @@ def test_idle_devices_train_rounds_and_a_busy_one_sits_out(tmp_path: Path) -> No
             model, record = rounds.run_one(number)
             assert model is not None
             records.append(record)
+        busy.update({f.name: "outside its idle window 00:30-05:30" for f in folders})
+        model, skipped = rounds.run_one(4)  # nobody idle within wait_idle_s: the round is skipped, nothing changes
         rounds.end()
     finally:
         server.stop(grace=1)
@@ -77,6 +79,9 @@ def test_idle_devices_train_rounds_and_a_busy_one_sits_out(tmp_path: Path) -> No
         t.join(timeout=30)
     assert [sorted(r["took_part"]) for r in records] == [["cam-0", "cam-1"]] * 2 + [["cam-0", "cam-1", "cam-2"]]
     assert records[0]["not_idle"] == {"cam-2": "its idle check exited 1"} and records[2]["not_idle"] == {}
+    assert model is None and skipped["took_part"] == [] and sorted(skipped["not_idle"]) == ["cam-0", "cam-1", "cam-2"]
+    assert "val_accuracy" not in skipped and skipped["bytes_down"] == 0
+    assert any("0 of 3 connected devices idle; waiting for 2" in line for line in said)
     # Each device's change is int8 (a quarter of the fp32 model it received, plus headers and scales).
     per_device_down, per_device_up = records[0]["bytes_down"] / 2, records[0]["bytes_up"] / 2
     assert per_device_up < per_device_down / 3
