@@ -65,10 +65,9 @@ async def _train(cfg: Config, run_dir: Path, inventory: Inventory, workdir: Path
         if check.status == "ready" and check.facts.get("federated_missing"):
             need = " ".join(check.facts["federated_missing"])
             check.status, check.reason = "refused", f"missing {need}: `{check.target.python} -m pip install {need}`"
-    ready = [c for c in checks if c.status == "ready"]
-    for check in checks:
         if check.status != "ready":
             printer.emit("controller", f"{check.target.name}: {check.status}: {check.reason}; left out", "\n")
+    ready = [c for c in checks if c.status == "ready"]
     fed = cfg.train.federated
     if len(ready) < fed.min_devices:
         raise PipelineError(

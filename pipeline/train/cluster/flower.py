@@ -246,7 +246,9 @@ def strategy(fed: FederatedConfig, initial: list[np.ndarray], config: Callable[[
 class Rounds:
     """Flower's server running one round at a time (so each new model is saved before the next round starts)."""
 
-    def __init__(self, fed: FederatedConfig, manager: IdleClientManager, inner: FedAvg, start: list[np.ndarray]):
+    def __init__(
+        self, fed: FederatedConfig, manager: IdleClientManager, inner: FedAvg, start: list[np.ndarray]
+    ) -> None:
         self.fed, self.manager = fed, manager
         self.strategy = DeltaStrategy(inner, manager)
         self.server = Server(client_manager=manager, strategy=self.strategy)

@@ -65,6 +65,7 @@ def decode(global_arrays: list[np.ndarray], sent: list[np.ndarray], kind: str) -
     if kind not in (INT8, FP32):
         raise ValueError(f"unknown change type {kind!r}")
     floats = [i for i, a in enumerate(global_arrays) if a.dtype.kind == "f"]
+    scale_of = {i: k for k, i in enumerate(floats)}
     expected = len(global_arrays) + (kind == INT8)
     if len(sent) != expected:
         raise ValueError(f"{len(sent)} arrays, expected {expected}")
@@ -75,10 +76,10 @@ def decode(global_arrays: list[np.ndarray], sent: list[np.ndarray], kind: str) -
     for i, (base, change) in enumerate(zip(global_arrays, sent, strict=False)):
         if change.shape != base.shape:
             raise ValueError(f"tensor {i}: shape {list(change.shape)}, the model's is {list(base.shape)}")
-        if scales is not None and i in floats:
+        if scales is not None and i in scale_of:
             if change.dtype != np.int8:
                 raise ValueError(f"tensor {i}: {change.dtype}, expected int8")
-            change = change.astype(np.float32) * scales[floats.index(i)]
+            change = change.astype(np.float32) * scales[scale_of[i]]
         elif change.dtype.kind != base.dtype.kind:
             raise ValueError(f"tensor {i}: {change.dtype}, expected {base.dtype}")
         model.append((base + change).astype(base.dtype))
