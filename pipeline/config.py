@@ -223,6 +223,14 @@ class TrainConfig(Section):
     """`diloco`: send the outer step's change in 8 bits (one fp32 scale per tensor) with error feedback, as
     `localsgd_int8` does: a quarter of the bytes, and on the cluster benchmark's job the same accuracy
     (docs/measurements.md#diloco-epochs-and-defaults). The first outer step, with no shared anchor yet, is fp32."""
+    stream_fragments: int = Field(1, ge=1)
+    """`streaming`: fragments of the model, each with an outer step of its own every `localsgd_period` steps, their
+    turns spread over the period. More fragments lower the peak bandwidth, each adds a collective's round trips per
+    period (docs/measurements.md#streaming-diloco)."""
+    stream_delay_steps: int = Field(4, ge=0)
+    """`streaming`: inner steps a fragment's outer step travels in the background before it is applied; at most
+    `localsgd_period`. Long enough to hide the collective (on the cluster benchmark's link an 8-bit all-gather takes
+    some 0.37 s) and short enough that the change applied is recent (docs/measurements.md#streaming-diloco)."""
     compression_auto_every_steps: int = Field(20, ge=1)
     """`auto`: steps between measurements. Each times the steps since the last; the link itself (an all-reduce of
     4 bytes and of 512 KiB) is timed only when the running method's own communication time has moved by half, or at
@@ -330,6 +338,15 @@ class TrainConfig(Section):
     def _federated_needs_devices(self) -> TrainConfig:
         if self.mode == "federated" and self.inventory is None:
             raise ValueError('train.mode = "federated" needs train.inventory: the devices that train')
+        return self
+
+    @model_validator(mode="after")
+    def _stream_lands_before_its_next_turn(self) -> TrainConfig:
+        if self.stream_delay_steps > self.localsgd_period:
+            raise ValueError(
+                f"train.stream_delay_steps ({self.stream_delay_steps}) is above train.localsgd_period "
+                f"({self.localsgd_period}): a fragment's outer step must land before its next turn"
+            )
         return self
 
     @model_validator(mode="after")

@@ -78,9 +78,7 @@ class OuterStep:
             self.anchor = [m.clone() for m in mean]
             self.velocity = [torch.zeros_like(m) for m in mean]
         else:
-            for a, v, g in zip(self.anchor, self.velocity, mean, strict=True):
-                v.mul_(self.momentum).add_(g)
-                a.sub_(g.add(v, alpha=self.momentum), alpha=self.lr)  # Nesterov: g + momentum * v
+            nesterov(self.anchor, self.velocity, mean, self.lr, self.momentum)
         for p, a in zip(params, self.anchor, strict=True):
             p.copy_(a)
         return sent
@@ -93,6 +91,16 @@ class OuterStep:
         self.collective.all_reduce(flat)
         collectives.unflatten_into(flat, moved)  # `moved` is this step's own: it becomes the mean
         return moved, flat.numel() * flat.element_size()
+
+
+@torch.no_grad()
+def nesterov(
+    anchor: list[torch.Tensor], velocity: list[torch.Tensor], mean: list[torch.Tensor], lr: float, momentum: float
+) -> None:
+    """One outer Nesterov SGD step of `anchor`, in place, on the averaged pseudo-gradient `mean`."""
+    for a, v, g in zip(anchor, velocity, mean, strict=True):
+        v.mul_(momentum).add_(g)
+        a.sub_(g.add(v, alpha=momentum), alpha=lr)  # Nesterov: g + momentum * v
 
 
 def _outer(knobs: Knobs, group: dist.ProcessGroup | None) -> Averager:

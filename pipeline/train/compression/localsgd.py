@@ -6,6 +6,7 @@ gradient method at any step.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as live objects (GradBucket, Future).
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,6 +46,8 @@ class Schedule:
         self.in_sync = True
         """Whether the ranks' models are one now: during warm-up (DDP all-reduces the gradients) and right after an
         averaging."""
+        self.whole = True
+        """An averaging makes the models one."""
 
     def tick(self) -> bool:
         """Count a step; whether the model is averaged at it."""
@@ -94,30 +97,58 @@ def quantise_int8(
     return quantised, scales, [d - q.to(d.dtype) * s for d, q, s in zip(deltas, quantised, scales, strict=True)]
 
 
+@dataclass
+class Gathering:
+    """An 8-bit all-gather of each rank's tensors, maybe still in flight (:func:`gather_int8`)."""
+
+    parts: list[torch.Tensor]
+    """Every rank's payload (int8 entries, then its fp32 scales as bytes), filled once :attr:`work` completes."""
+    work: dist.Work | None
+    """The collective in flight (None: it completed before `gather_int8` returned)."""
+    sizes: list[int]
+    """Entries of each tensor sent, in order."""
+
+    @torch.no_grad()
+    def mean(self, like: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Wait for the gather and return the mean over the ranks, as new tensors shaped as `like`. Every rank sums
+        the same payloads in the same order, so the means are bit-identical."""
+        if self.work is not None:
+            self.work.wait()
+        n = sum(self.sizes)
+        mean = [torch.zeros_like(t) for t in like]
+        for part in self.parts:
+            their_scales = part[n:].clone().view(torch.float32)
+            for m, q, s in zip(mean, part[:n].split(self.sizes), their_scales, strict=True):
+                m.add_(q.view_as(m).to(m.dtype) * s)
+        return [m.div_(len(self.parts)) for m in mean]
+
+
+@torch.no_grad()
+def gather_int8(
+    changes: list[torch.Tensor], residual: list[torch.Tensor], group: dist.ProcessGroup | None, wait: bool = True
+) -> tuple[Gathering, list[torch.Tensor], int]:
+    """Start an all-gather of `changes` plus `residual` in 8 bits (:func:`quantise_int8`); return it (completed
+    when `wait`), the new residual and the bytes this rank sent."""
+    quantised, scales, residual = quantise_int8(changes, residual)
+    payload = torch.cat([torch.cat([q.flatten() for q in quantised]), scales.view(torch.int8)])
+    parts = [torch.empty_like(payload) for _ in range(dist.get_world_size(group))]
+    work = dist.all_gather(parts, payload, group=group, async_op=not wait)
+    return Gathering(parts, work, [c.numel() for c in changes]), residual, payload.numel()
+
+
 class Int8Mean:
     """The mean over ranks of each rank's tensors (how far its model moved), sent in 8 bits: one int8 per entry and
     one fp32 scale per tensor, all-gathered, with error feedback (what rounding left out is added to the next
-    call's tensors). Every rank sums the same gathered payloads in the same order, so the means are bit-identical."""
+    call's tensors)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
         self.residual: list[torch.Tensor] = []
 
-    @torch.no_grad()
     def mean(self, changes: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
         """The mean of `changes` over the ranks, and the bytes this rank sent."""
-        world = dist.get_world_size(self.group)
-        quantised, scales, self.residual = quantise_int8(changes, self.residual)
-        payload = torch.cat([torch.cat([q.flatten() for q in quantised]), scales.view(torch.int8)])
-        parts = [torch.empty_like(payload) for _ in range(world)]
-        dist.all_gather(parts, payload, group=self.group)
-        n = payload.numel() - scales.numel() * 4
-        mean = [torch.zeros_like(c) for c in changes]
-        for part in parts:
-            their_scales = part[n:].clone().view(torch.float32)
-            for m, q, s in zip(mean, part[:n].split([c.numel() for c in changes]), their_scales, strict=True):
-                m.add_(q.view_as(m).to(m.dtype) * s)
-        return [m.div_(world) for m in mean], payload.numel()
+        gathering, self.residual, sent = gather_int8(changes, self.residual, self.group)
+        return gathering.mean(changes), sent
 
 
 class Int8DeltaAverager:

@@ -73,6 +73,9 @@ class Timetable(Protocol):
 
     in_sync: bool
     """Whether the ranks' models are one now: in the warm-up and right after an averaging."""
+    whole: bool
+    """Whether an averaging makes the models one (local SGD, DiLoCo: a checkpoint due waits for the next); False
+    where none does (streaming, one fragment at a time: a checkpoint due settles them at once)."""
 
 
 class Averager(Protocol):
@@ -227,6 +230,13 @@ class Compression:
         """Whether every rank's model is the same now: always under the gradient methods; under a method that averages
         models every few steps, in its warm-up and right after an averaging."""
         return self.averager is None or self.averager.schedule.in_sync
+
+    def ready_to_save(self, model: nn.Module) -> bool:
+        """Whether a checkpoint due mid-epoch can be taken now: the models are one, or the method's averagings never
+        make them one (:attr:`Timetable.whole`), so they are settled now (the bytes count in the next step's)."""
+        if self.averager is not None and not self.averager.schedule.in_sync and not self.averager.schedule.whole:
+            self.counter.add(self.settle(model))
+        return self.in_sync()
 
     def outer_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """What a checkpoint keeps of the averager's own state: {} but for an averager that has one (DiLoCo's)."""

@@ -15,10 +15,34 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pipeline.config import TrainConfig
 from pipeline.errors import PipelineError
-from pipeline.train.compression import auto, bf16, diloco, fp16, localsgd, none, powersgd, sign, star, topk
+from pipeline.train.compression import (
+    auto,
+    bf16,
+    diloco,
+    fp16,
+    localsgd,
+    none,
+    powersgd,
+    sign,
+    star,
+    streaming,
+    topk,
+)
 from pipeline.train.compression.method import Compression, Knobs, Method, register
 
-MODULES: tuple[ModuleType, ...] = (none, star, fp16, bf16, powersgd, topk, sign, localsgd, diloco, auto)
+MODULES: tuple[ModuleType, ...] = (
+    none,
+    star,
+    fp16,
+    bf16,
+    powersgd,
+    topk,
+    sign,
+    localsgd,
+    diloco,
+    streaming,
+    auto,
+)
 """Every method's module, in the order the docs list them."""
 METHODS: dict[str, Method] = {module.METHOD.name: module.METHOD for module in MODULES}
 """Every method by its `train.compression` name."""

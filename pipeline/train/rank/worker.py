@@ -357,11 +357,12 @@ class Trainer:
                 log.write({**row, "samples_per_s": samples / seconds})
             bar.set_postfix(loss=f"{loss:.3f}", refresh=False)  # the bar redraws at its own pace
             self.checkpointer.poll()
-            # Under a method that averages models every few steps, the save waits for the next averaging: saved
-            # before it, the checkpoint would be one rank's model alone (DCP keeps one copy of what DDP replicates),
-            # without the others' steps since the last averaging, and DiLoCo's anchor would be that model too.
+            # Under a method that averages models every few steps, the save waits for the next averaging (streaming,
+            # whose averagings never make the models one, settles them now): saved before it, the checkpoint would be
+            # one rank's model alone (DCP keeps one copy of what DDP replicates), without the others' steps since the
+            # last averaging, and DiLoCo's anchor would be that model too.
             due = due or bool(every and step % every == 0)
-            if due and self.comm.in_sync() and index < self.steps_per_epoch:  # the epoch's end saves anyway
+            if due and index < self.steps_per_epoch and self.comm.ready_to_save(self.model):  # the end saves anyway
                 self.save(epoch, step, next_batch=index)
                 due = False
         return step

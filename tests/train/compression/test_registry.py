@@ -75,7 +75,7 @@ def expected_bytes(method: str, step: int) -> int:
         return full // 2 if method != "none" else full
     if method == "star":
         return full
-    if method == "diloco":  # no warm-up: the models averaged at once in fp32, then their change in 8 bits
+    if method in ("diloco", "streaming"):  # no warm-up: the models averaged at once in fp32, then changes in 8 bits
         if (step - 1) % PERIOD:
             return 0
         return full if step == 1 else numel + 4 * len(params)
