@@ -79,6 +79,7 @@ class Device:
         """Seconds the device may be silent before the connection is closed as lost (see `connect`)."""
         self._conn: asyncssh.SSHClientConnection | None = None
         self._sftp: asyncssh.SFTPClient | None = None
+        self._sftp_starting = asyncio.Lock()  # puts run concurrently (fleet.upload): one SFTP session for all
 
     async def __aenter__(self) -> Device:
         self._conn = await connect(self.target, self.link_timeout_s)
@@ -117,20 +118,24 @@ class Device:
     async def get(self, remote: str, local: Path) -> int:
         """Download one file to `local` durably: into a temp file beside it, fsynced, renamed when whole, the directory
         fsynced (a checkpoint copied back is trusted as soon as it has its name); returns its size."""
-        if self._sftp is None:
-            self._sftp = await self.conn.start_sftp_client()
+        sftp = await self._sftp_client()
         with atomic_path(local) as tmp:
-            await self._sftp.get(remote, str(tmp))
+            await sftp.get(remote, str(tmp))
         return local.stat().st_size
 
     async def put(self, local: Path, remote: str) -> int:
         """Upload one file (to `remote`.tmp, then renamed, so a name in place is a whole upload); returns bytes."""
-        if self._sftp is None:
-            self._sftp = await self.conn.start_sftp_client()
+        sftp = await self._sftp_client()
         tmp = f"{remote}.tmp"
-        await self._sftp.put(str(local), tmp)
-        await self._sftp.posix_rename(tmp, remote)
+        await sftp.put(str(local), tmp)
+        await sftp.posix_rename(tmp, remote)
         return local.stat().st_size
+
+    async def _sftp_client(self) -> asyncssh.SFTPClient:
+        async with self._sftp_starting:
+            if self._sftp is None:
+                self._sftp = await self.conn.start_sftp_client()
+        return self._sftp
 
 
 def quiet_lost_connections() -> None:

@@ -5,9 +5,9 @@ a connection cut between any two leaves the device with the old directory or the
 
 1. `installed`: `<parent>/<id>` already holds exactly these files (checked on the device): nothing to do.
 2. `stage`: files land in `<parent>/<id>.part/` (each renamed from `<name>.tmp` when whole, by the remote's `put`),
-   SHA256SUMS last. A file the device already holds anywhere under `<parent>/*/` (another version, an interrupted
-   upload) or in the caller's extra places is found by its sha256 and hard-linked instead of sent, so an unchanged set
-   sends nothing, a changed one only what changed, and an interrupted one resumes.
+   several at once, SHA256SUMS last. A file the device already holds anywhere under `<parent>/*/` (another version,
+   an interrupted upload) or in the caller's extra places is found by its sha256 and hard-linked instead of sent, so
+   an unchanged set sends nothing, a changed one only what changed, and an interrupted one resumes.
 3. `verify`: whatever SHA256SUMS does not list is removed from `.part`, the files and `.part` are synced to disk, then
    `sha256sum -c SHA256SUMS` runs on the device; files that fail are removed so that the next attempt sends them.
 4. `publish`: `.part` is renamed to `<id>` (a damaged `<id>` moved aside first, unless a live link points at it) and
@@ -19,6 +19,7 @@ a connection cut between any two leaves the device with the old directory or the
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
 import shlex
@@ -35,6 +36,10 @@ SUMS = "SHA256SUMS"
 PART = ".part"
 """Suffix of the directory a bundle is staged in, `<parent>/<id>.part`, until it is whole and renamed to `<id>`."""
 FILE_NAME = re.compile(r"[A-Za-z0-9._-]{1,255}")
+PUTS_IN_FLIGHT = 16
+"""Files sent at once. Each costs a few round trips (SFTP open, write, close, rename), and over WiFi a round trip
+can be 60 ms: one at a time, a dataset of small images spends minutes waiting
+(docs/measurements.md#uploads-in-flight)."""
 COMMAND_BYTES = 64 * 1024
 """Most bytes of one remote command built from file names: half of Linux's 128 KiB cap on one argument (the
 command is `sh -c`'s), which no shell line may exceed whatever ARG_MAX says."""
@@ -156,9 +161,22 @@ async def stage(host: Remote, parent: str, item: Bundle, workdir: Path, sent: Se
     for script in _batches([f"{{ ln -f {_q(s)} {_q(d)} || cp {_q(s)} {_q(d)}; }}" for s, d in links]):
         await _check(host, f"cd {_q(parent)} && {script}", "cannot reuse files already on the device")
     sent.reused = len(links)
-    for name, local in sends:
-        sent.bytes += await host.put(local, f"{parent}/{part}/{name}")
+    in_flight = asyncio.Semaphore(PUTS_IN_FLIGHT)
+
+    async def put(name: str, local: Path) -> None:
+        async with in_flight:
+            size = await host.put(local, f"{parent}/{part}/{name}")
+        sent.bytes += size  # not `+= await`: that reads the count before the wait, and the other puts add meanwhile
         sent.files += 1
+
+    files = [asyncio.ensure_future(put(name, local)) for name, local in sends if name != SUMS]
+    try:
+        await asyncio.gather(*files)
+    finally:
+        for task in files:  # one failed: the rest stop too (the next attempt resumes what landed)
+            task.cancel()
+    if sends and sends[-1][0] == SUMS:
+        await put(*sends[-1])
 
 
 async def verify(host: Remote, parent: str, item: Bundle) -> None:
