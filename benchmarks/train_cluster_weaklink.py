@@ -1,7 +1,7 @@
 """Cluster training over SSH on 4 stand-in Jetsons, each on a busy-WiFi link: 20 Mbit/s with 30 ms each way.
 
     python benchmarks/train_cluster_weaklink.py [--job quickstart|bandwidth] [--epochs 8]
-        [--methods none,star,fp16,powersgd,topk,localsgd,diloco,auto] [--out PATH.json]
+        [--methods none,star,fp16,powersgd,topk,localsgd,diloco,streaming,auto] [--set KEY=VALUE] [--out PATH.json]
 
 What it measures (issues #14 and #31), with `pipeline train --inventory` as a user runs it:
 
@@ -28,18 +28,19 @@ What it measures (issues #14 and #31), with `pipeline train --inventory` as a us
   and data unchanged), from the upload's own `bytes_sent` (summary.json) and from the host ends' link counters
   (/sys/class/net/jetN/statistics/{tx,rx}_bytes, summed), split at the first and the last training step.
 
-Two jobs (`--job`), each into its own results file, on the same link, data and epoch count, at default knobs. The
-methods that average models rather than gradients (`localsgd`, `diloco`) train twice the epochs, as
+Two jobs (`--job`), each into its own results file, on the same link and epoch count, at default knobs. The
+methods that average models rather than gradients (`localsgd`, `diloco`, `streaming`) train twice the epochs, as
 `train.epochs = "auto"` gives them (their Method record's `epochs_factor`): time to accuracy, not the epoch count,
 decides between methods.
 
-- `quickstart` (train_cluster_weaklink.json; latency-bound): configs/quickstart.toml's small_cnn at 16 px, global
-  batch 64, lr 1e-2; 8 epochs set, the quickstart's count (`auto` would train 14 on these 576 training images, to
-  reach 120 optimizer steps). Its 20k parameters are 81 KB a step, some 50 ms at 20 Mbit/s against 0.75 s a step
-  of all-reduce rounds between devices 121 ms apart. After the methods, `none` twice more: unchanged (what a second
-  start sends) and losing a node (above).
+- `quickstart` (train_cluster_weaklink.json; latency-bound): configs/quickstart.toml's job, all 1,797 digits (1,437
+  to train: 22 steps an epoch), small_cnn at 16 px, global batch 64, lr 1e-2; 8 epochs, the quickstart's count. Its
+  20k parameters are 81 KB a step, some 50 ms at 20 Mbit/s against 0.75 s a step of all-reduce rounds between
+  devices 121 ms apart. After the methods, `none` twice more: unchanged (what a second start sends) and losing a
+  node (above).
 - `bandwidth` (train_cluster_weaklink_bandwidth.json; bandwidth-bound): mobilenet_v3_small at 32 px (the digits
-  scaled up), the same batch, lr and 8 epochs, and only the methods' runs. Its 1.53 M parameters are 6.1 MB of fp32
+  scaled up), the first 720 digits (9 steps an epoch: `none`'s run alone is 5 minutes), the same batch, lr and 8
+  epochs, and only the methods' runs. Its 1.53 M parameters are 6.1 MB of fp32
   gradients: a ring all-reduce over 4 ranks sends and receives 1.5 times that on every device's link, about 3.7 s a
   step at 20 Mbit/s, against about 0.2 s of compute for the whole global batch on 2 cores (measured here: 72 steps
   on 2 local ranks, 0.21 s a step; it reached 0.972 after 8 epochs, 0.868 after 5, a curve that still climbs, so
@@ -51,13 +52,11 @@ as the quickstart's tensor digits get no augmentation) so that `data.sync = true
 every device runs one rank with this venv's Python (tests/harness: a real sshd per device in its own namespaces
 with a private disk; tests/train/cluster/test_cluster.py's `start_cluster`).
 
-Only the first 720 of the 1,797 digits (`--images`), for two reasons found here: (1) when measured, the upload's
-`verify` step (pipeline/fleet/upload.py) put every file name of the bundle on one shell command line, twice, and a
-dataset of more than about 1,000 files exceeded Linux's 128 KiB limit on one argument ("Argument list too long";
-fixed since, tests/fleet/test_upload.py); (2) the upload sends one file at a time, several round trips each (SFTP
-open, write, close, rename), so on this link the first run spent about 4 minutes between its start and its agents'
-start, most of it on the 720 images. Fewer images mean fewer steps per epoch (9) and a lower accuracy than the
-quickstart's 1,437 training images give.
+Until the upload sent several files at once (pipeline/fleet/upload.py, PUTS_IN_FLIGHT), the quickstart job used the
+first 720 digits too: one file at a time, several round trips each, the first run spent about 4 minutes sending them.
+Its 9 steps an epoch made each epoch's fixed costs on this link (the settling outer step, BatchNorm recalibration,
+validation and the checkpoint: about 1.5 s, measured per phase) most of `diloco`'s epoch, and its 144 validation
+images made a ratio move by a tenth with one image (docs/measurements.md#the-cluster-benchmark-on-the-whole-digits).
 
 The link. Each stand-in has its own network namespace joined to the host by a veth pair (tests/harness/network.py
 `DeviceLink`); the host forwards between the pairs, so device-to-device traffic crosses two links. Both veth ends
@@ -116,7 +115,7 @@ DEVICES = 4
 POLL_S = 0.1
 """How often the watcher reads the link counters and the devices' metrics.jsonl: the resolution of its times."""
 RUN_TIMEOUT_S = 1800
-METHODS = "none,star,fp16,powersgd,topk,localsgd,diloco,auto"
+METHODS = "none,star,fp16,powersgd,topk,localsgd,diloco,streaming,auto"
 
 
 @dataclass(frozen=True)
@@ -129,11 +128,13 @@ class Job:
     """benchmarks/results/<results>.json, and the plot beside it (.png)."""
     extras: bool
     """Whether `none` runs twice more after the methods: unchanged (what a second start sends) and losing a node."""
+    images: int
+    """Of the 1,797 digits, the first this many (`--images` overrides)."""
 
 
 JOBS = {
-    "quickstart": Job("small_cnn", 16, "train_cluster_weaklink", extras=True),
-    "bandwidth": Job("mobilenet_v3_small", 32, "train_cluster_weaklink_bandwidth", extras=False),
+    "quickstart": Job("small_cnn", 16, "train_cluster_weaklink", extras=True, images=1797),
+    "bandwidth": Job("mobilenet_v3_small", 32, "train_cluster_weaklink_bandwidth", extras=False, images=720),
 }
 
 
@@ -513,7 +514,8 @@ def bench(args: argparse.Namespace, tmp: Path, result: dict[str, Any]) -> None:
             run_dir = tmp / f"run-{len(rows)}"
             run_dir.mkdir()
             row = {"run": name, "method": method}
-            row |= train(fleet, inv, run_dir, settings(args.job, method, args.epochs, data, devices), kill_at)
+            values = settings(args.job, method, args.epochs, data, devices)
+            row |= train(fleet, inv, run_dir, values + [a for kv in args.set for a in ("--set", kv)], kill_at)
             rows.append(row)
             print(f"  {json.dumps(row)}", file=sys.stderr, flush=True)
             result |= score(rows, len(args.methods)) | {"runs": rows, "bench_wall_s": time.time() - started}
@@ -562,7 +564,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--job", choices=JOBS, default="quickstart", help="what to train (see above; quickstart)")
     parser.add_argument("--epochs", type=int, default=8, help="DDP's (default 8: `auto` would make 14, see above)")
-    parser.add_argument("--images", type=int, default=720, help="of the 1,797 digits (see the docstring; 720)")
+    parser.add_argument("--images", type=int, help="of the 1,797 digits (default: the job's, see the docstring)")
     parser.add_argument("--methods", default=METHODS, help=f"comma-separated; none first (default {METHODS})")
     parser.add_argument("--rate", default="20mbit", help="tbf rate on both ends of each link (default 20mbit)")
     parser.add_argument("--delay-ms", type=float, default=60.0, help="device egress delay (default 60 = 30 each way)")
@@ -570,12 +572,21 @@ def main() -> None:
     parser.add_argument("--mtu", type=int, default=65000)
     parser.add_argument("--link-seconds", type=float, default=2.0, help="of each bulk transfer of the link check")
     parser.add_argument("--kill-at-step", type=int, default=22, help="node-loss run, quickstart: kill then (0: none)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting for every run, as "
+        "`pipeline train --set` takes it (a knob's other value, e.g. train.stream_delay_steps=7)",
+    )
     parser.add_argument("--out", type=Path, help="the JSON (default benchmarks/results/<the job's>.json); plot beside")
     args = parser.parse_args()
     args.methods = args.methods.split(",")
     if args.methods[0] != "none":
         parser.error("--methods must start with none: speed-ups and accuracy are measured against it")
     args.job_name, args.job = args.job, JOBS[args.job]
+    args.images = args.images or args.job.images
     args.out = args.out or RESULTS / f"{args.job.results}.json"
     if why := unavailable() or harness_unavailable(network=True):
         sys.exit(f"error: {why}")
@@ -583,7 +594,7 @@ def main() -> None:
     result = {"job": args.job_name, "devices": DEVICES, "ranks_per_device": 1, "model": args.job.model}
     result |= {"data": f"{args.images} digits as PNG @{args.job.image_size}px, synced"}
     result |= {"epochs": args.epochs, "rate": args.rate, "device_egress_delay_ms": args.delay_ms, "mtu": args.mtu}
-    result |= {"queue_ms": args.queue_ms, "cpus": os.cpu_count()}
+    result |= {"queue_ms": args.queue_ms, "cpus": os.cpu_count(), "set": args.set}
     with tempfile.TemporaryDirectory() as tmp:
         bench(args, Path(tmp), result)
     print(table(result))
