@@ -20,10 +20,11 @@ What it measures (issues #14 and #31), with `pipeline train --inventory` as a us
   collective bytes, and auto within 1.2x of that method's time. The times are those of a watcher reading the
   device's log every 0.1 s, so each is up to 0.1 s late. The plot beside the JSON (same name, .png) draws each
   method's accuracy against the seconds and against the collective bytes;
-- a node lost mid-run (`train.devices = "3:4"`, the last stand-in killed whole, as
-  tests/train/cluster/test_cluster_elastic.py does, at step 22 (`--kill-at-step`), 4 steps past the checkpoint at the
-  end of epoch 2): wall seconds from the kill to the controller's next round and to the next training step written
-  after it (a device's metrics.jsonl read every 0.1 s), the steps lost (summary.json's event), and the final accuracy;
+- a node lost mid-run (`--kill-method`, `diloco`; `train.devices = "3:4"`, the last stand-in killed whole, as
+  tests/train/cluster/test_cluster_elastic.py does, at step 26 (`--kill-at-step`), 4 steps past the checkpoint at the
+  end of epoch 1 and 2 past an outer step): wall seconds from the kill to the controller's next round and to the
+  next training step written after it (a device's metrics.jsonl read every 0.1 s), the steps lost (summary.json's
+  event), and the final accuracy against the same method's undisturbed run;
 - what starting a run sends: the first run (`none`, fresh devices) against the same run again (`none` once more, code
   and data unchanged), from the upload's own `bytes_sent` (summary.json) and from the host ends' link counters
   (/sys/class/net/jetN/statistics/{tx,rx}_bytes, summed), split at the first and the last training step.
@@ -502,20 +503,25 @@ def bench(args: argparse.Namespace, tmp: Path, result: dict[str, Any]) -> None:
         result["link"] = measure_links(fleet, args.link_seconds)
         print(f"[{time.strftime('%H:%M:%S')}] link: {json.dumps(result['link'])}", file=sys.stderr, flush=True)
         save(args.out, result)
-        jobs: list[tuple[str, str, int]] = [(m, m, 0) for m in args.methods]
+        # (label, method, kill at step, its own settings): "streaming:train.stream_delay_steps=7" is a variant.
+        jobs: list[tuple[str, str, int, list[str]]] = []
+        for entry in args.methods:
+            method, *own = entry.split(":")
+            jobs.append((entry, method, 0, own))
         if args.job.extras:
-            jobs.append(("none (again)", "none", 0))
+            jobs.append(("none (again)", "none", 0, []))
         if args.job.extras and args.kill_at_step:
-            jobs.append(("none, node lost", "none", args.kill_at_step))
+            jobs.append((f"{args.kill_method}, node lost", args.kill_method, args.kill_at_step, []))
         rows: list[dict[str, Any]] = []
-        for name, method, kill_at in jobs:
+        for name, method, kill_at, own in jobs:
             print(f"[{time.strftime('%H:%M:%S')}] {name} ...", file=sys.stderr, flush=True)
             devices = f"{DEVICES - 1}:{DEVICES}" if kill_at else str(DEVICES)
             run_dir = tmp / f"run-{len(rows)}"
             run_dir.mkdir()
-            row = {"run": name, "method": method}
+            row = {"run": name, "method": name if own else method}
             values = settings(args.job, method, args.epochs, data, devices)
-            row |= train(fleet, inv, run_dir, values + [a for kv in args.set for a in ("--set", kv)], kill_at)
+            values += [a for kv in args.set + own for a in ("--set", kv)]
+            row |= train(fleet, inv, run_dir, values, kill_at)
             rows.append(row)
             print(f"  {json.dumps(row)}", file=sys.stderr, flush=True)
             result |= score(rows, len(args.methods)) | {"runs": rows, "bench_wall_s": time.time() - started}
@@ -565,13 +571,18 @@ def main() -> None:
     parser.add_argument("--job", choices=JOBS, default="quickstart", help="what to train (see above; quickstart)")
     parser.add_argument("--epochs", type=int, default=8, help="DDP's (default 8: `auto` would make 14, see above)")
     parser.add_argument("--images", type=int, help="of the 1,797 digits (default: the job's, see the docstring)")
-    parser.add_argument("--methods", default=METHODS, help=f"comma-separated; none first (default {METHODS})")
+    parser.add_argument(
+        "--methods",
+        default=METHODS,
+        help=f"comma-separated, none first; METHOD:KEY=VALUE is a variant with a setting of its own ({METHODS})",
+    )
     parser.add_argument("--rate", default="20mbit", help="tbf rate on both ends of each link (default 20mbit)")
     parser.add_argument("--delay-ms", type=float, default=60.0, help="device egress delay (default 60 = 30 each way)")
     parser.add_argument("--queue-ms", type=float, default=50.0, help="tbf queue before drops (default 50)")
     parser.add_argument("--mtu", type=int, default=65000)
     parser.add_argument("--link-seconds", type=float, default=2.0, help="of each bulk transfer of the link check")
-    parser.add_argument("--kill-at-step", type=int, default=22, help="node-loss run, quickstart: kill then (0: none)")
+    parser.add_argument("--kill-at-step", type=int, default=26, help="node-loss run, quickstart: kill then (0: none)")
+    parser.add_argument("--kill-method", default="diloco", help="the node-loss run's method (default diloco)")
     parser.add_argument(
         "--set",
         action="append",
