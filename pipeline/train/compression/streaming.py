@@ -20,6 +20,7 @@ fragment always has steps of its own).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -83,7 +84,8 @@ class StreamingOuterStep:
         self.group = group
         # A group of its own: a collective in flight on the training group would hold DDP's (its buffer broadcasts).
         ranks = dist.get_process_group_ranks(group) if group is not None else None
-        self.background = dist.new_group(ranks, backend=dist.get_backend(group))
+        timeout = timedelta(seconds=train.pg_timeout_s)  # as the training group's, not torch's default
+        self.background = dist.new_group(ranks, timeout, backend=dist.get_backend(group))
         self.schedule = Turns(train.localsgd_period, train.stream_fragments)
         self.fragments: list[list[int]] = []
         self.step = 0
@@ -139,6 +141,7 @@ class StreamingOuterStep:
         self.velocity = [torch.zeros_like(p) for p in params]
         self.residual = [torch.zeros_like(p) for p in params]
         self.fragments = split(params, self.schedule.fragments)
+        self.schedule.fragments = len(self.fragments)  # a model of fewer tensors than fragments asked for
 
     @torch.no_grad()
     def _send(self, params: list[torch.Tensor], fragment: int, step: int) -> int:
