@@ -142,9 +142,10 @@ async def installed(host: Remote, parent: str, item: Bundle) -> bool:
 
 
 async def stage(host: Remote, parent: str, item: Bundle, workdir: Path, sent: Sent, also: Sequence[str] = ()) -> None:
-    """Put into `<parent>/<id>.part/` what it lacks, in the order of `item.files` and SHA256SUMS last, linking what
-    the device already has; `sent` counts what it cost as it goes (so a cut upload still says what it sent). `also`:
-    more shell globs, relative to `parent`, of files worth linking from (written by the caller, never from input)."""
+    """Put into `<parent>/<id>.part/` what it lacks, up to :data:`PUTS_IN_FLIGHT` files at once and SHA256SUMS last,
+    linking what the device already has; `sent` counts what it cost as it goes (so a cut upload still says what it
+    sent). `also`: more shell globs, relative to `parent`, of files worth linking from (written by the caller, never
+    from input)."""
     have = await _have(host, parent, item.id, also)
     part = f"{item.id}{PART}"
     wanted = [(name, local, item.sha256[name]) for name, local in item.files.items()]

@@ -95,7 +95,8 @@ class StreamingOuterStep:
         self.flying: list[InFlight] = []
 
     def average(self, params: list[torch.Tensor]) -> int:
-        """Apply the outer steps due, send the fragments whose turn it is; the bytes sent."""
+        """Apply the outer steps due (a delay is at most the period: a fragment lands before its next turn), send the
+        fragments whose turn it is; the bytes sent."""
         step, self.step = self.step, self.step + 1
         if step == 0:
             return self._first(params)
@@ -104,6 +105,7 @@ class StreamingOuterStep:
             self._land(params, flight)
         return sum(self._send(params, f, step) for f in self.schedule.sending(step))
 
+    @torch.no_grad()
     def settle(self, params: list[torch.Tensor]) -> int:
         """Apply what is in flight, then one outer step of the whole model unless the models are one; the bytes."""
         for flight in list(self.flying):
@@ -145,8 +147,6 @@ class StreamingOuterStep:
 
     @torch.no_grad()
     def _send(self, params: list[torch.Tensor], fragment: int, step: int) -> int:
-        for flight in [f for f in self.flying if f.fragment == fragment]:  # a delay as long as the period
-            self._land(params, flight)
         index = self.fragments[fragment]
         changes = [self.anchor[i] - params[i] for i in index]  # the pseudo-gradient, as diloco's
         residual = [self.residual[i] for i in index]

@@ -11,6 +11,8 @@ import torch
 
 import models
 from pipeline.config import Config, validate
+from pipeline.train.rank import runtime
+from pipeline.train.rank.worker import Trainer
 from tests.train.ranks import run_ranks
 
 
@@ -30,3 +32,19 @@ def rank_results(fn: Callable[[Path], None], root: Path) -> list[dict[str, Any]]
 def small_cnn_params() -> list[torch.Tensor]:
     """The quickstart model's parameters (digits: 10 classes, 1 channel)."""
     return list(models.build_model("small_cnn", 10, 1).parameters())
+
+
+def mid_epoch_saves(method: str, root: Path, rt: runtime.Runtime) -> list[dict[str, Any]]:
+    """One epoch of `method` (12 steps) asked to checkpoint every 5 steps: each save's step, position in the epoch,
+    and this rank's parameters as they were saved."""
+    trainer = Trainer(method_config(method, 1, 128, checkpoint_every_steps=5), root / "saves", rt)
+    saves, save = [], trainer.save
+
+    def recording(epoch: int, step: int, next_batch: int, synced: bool = False) -> None:
+        params = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+        saves.append({"step": step, "next_batch": next_batch, "params": params.tolist()})
+        save(epoch, step, next_batch, synced)
+
+    trainer.save = recording  # type: ignore[method-assign]
+    trainer.fit()
+    return saves

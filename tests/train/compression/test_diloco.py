@@ -13,8 +13,7 @@ import torch.distributed as dist
 from pipeline.config import validate
 from pipeline.train.compression import diloco
 from pipeline.train.rank import runtime
-from pipeline.train.rank.worker import Trainer
-from tests.train.compression.helpers import method_config, rank_results
+from tests.train.compression.helpers import mid_epoch_saves, rank_results
 
 LR, MOMENTUM = 0.7, 0.9
 
@@ -64,29 +63,13 @@ def resumed_outer_steps() -> dict[str, Any]:
     return ends
 
 
-def mid_epoch_saves(root: Path, rt: runtime.Runtime) -> list[dict[str, Any]]:
-    """One epoch of `diloco` (12 steps, an outer step every 8) asked to checkpoint every 5 steps: each save's step,
-    position in the epoch, and this rank's parameters as they were saved."""
-    trainer = Trainer(method_config("diloco", 1, 128, checkpoint_every_steps=5), root / "saves", rt)
-    saves, save = [], trainer.save
-
-    def recording(epoch: int, step: int, next_batch: int, synced: bool = False) -> None:
-        params = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
-        saves.append({"step": step, "next_batch": next_batch, "params": params.tolist()})
-        save(epoch, step, next_batch, synced)
-
-    trainer.save = recording  # type: ignore[method-assign]
-    trainer.fit()
-    return saves
-
-
 def every_scenario(root: Path) -> None:
     """On each rank, in one process group (one spawn for every test here): each scenario's results."""
     rt = runtime.init(validate({}, "test").train)
     try:
         out = {"fp32": two_outer_steps(), "int8": int8_outer_steps(), "settle": settle_between_outer_steps()}
         out["resumed"] = resumed_outer_steps()
-        out["saves"] = mid_epoch_saves(root, rt)
+        out["saves"] = mid_epoch_saves("diloco", root, rt)
         (root / f"rank{dist.get_rank()}.json").write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()

@@ -17,8 +17,7 @@ from pipeline.errors import PipelineError
 from pipeline.train.compression import streaming
 from pipeline.train.compression.method import Knobs
 from pipeline.train.rank import runtime
-from pipeline.train.rank.worker import Trainer
-from tests.train.compression.helpers import method_config, rank_results
+from tests.train.compression.helpers import mid_epoch_saves, rank_results
 
 LR, MOMENTUM = 0.7, 0.9
 SHAPES = ((20, 5), (3,))
@@ -93,28 +92,12 @@ def resumed_after_a_settle() -> dict[str, Any]:
     return ends
 
 
-def mid_epoch_saves(root: Path, rt: runtime.Runtime) -> list[dict[str, Any]]:
-    """One epoch of `streaming` (12 steps) asked to checkpoint every 5 steps: each save's step, position in the
-    epoch, and this rank's parameters as saved."""
-    trainer = Trainer(method_config("streaming", 1, 128, checkpoint_every_steps=5), root / "saves", rt)
-    saves, save = [], trainer.save
-
-    def recording(epoch: int, step: int, next_batch: int, synced: bool = False) -> None:
-        params = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
-        saves.append({"step": step, "next_batch": next_batch, "params": params.tolist()})
-        save(epoch, step, next_batch, synced)
-
-    trainer.save = recording  # type: ignore[method-assign]
-    trainer.fit()
-    return saves
-
-
 def every_scenario(root: Path) -> None:
     """On each rank, in one process group: each scenario's results."""
     rt = runtime.init(validate({}, "test").train)
     try:
         out = {"streamed": one_streamed_step(), "resumed": resumed_after_a_settle()}
-        out["saves"] = mid_epoch_saves(root, rt)
+        out["saves"] = mid_epoch_saves("streaming", root, rt)
         (root / f"rank{dist.get_rank()}.json").write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
