@@ -35,7 +35,7 @@ methods that average models rather than gradients (`localsgd`, `diloco`, `stream
 decides between methods.
 
 - `quickstart` (train_cluster_weaklink.json; latency-bound): configs/quickstart.toml's job, all 1,797 digits (1,437
-  to train: 22 steps an epoch), small_cnn at 16 px, global batch 64, lr 1e-2; 8 epochs, the quickstart's count. Its
+  to train: 23 steps an epoch), small_cnn at 16 px, global batch 64, lr 1e-2; 8 epochs, the quickstart's count. Its
   20k parameters are 81 KB a step, some 50 ms at 20 Mbit/s against 0.75 s a step of all-reduce rounds between
   devices 121 ms apart. After the methods, `none` twice more: unchanged (what a second start sends) and losing a
   node (above).
