@@ -261,6 +261,7 @@ class Job:
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
             "OMP_NUM_THREADS": str(self.cfg.train.threads_per_rank),
             RANKS_STORE_ENV: f"127.0.0.1:{node.store_port}",
+            checkpoint.PER_NODE_ENV: "1",
         }
         if nodedata.node_local(self.cfg):
             env[DATA_LOCAL_ENV] = "1"

@@ -11,7 +11,10 @@ Layout, which the consolidate stage reads::
 
 Every rank calls :meth:`Checkpointer.save` and :func:`load` (they are collectives); only rank 0 touches the pointer
 and prunes.
-On several nodes, ``checkpoints/`` must be on a filesystem they share: each rank writes its own shard.
+On several nodes, ``checkpoints/`` must be on a filesystem they share: each rank writes its own shard. Cluster
+training over SSH is the exception (``PIPELINE_CHECKPOINT_PER_NODE``): each device has a disk of its own, and under
+DDP, where every rank holds the whole state, each device writes a whole checkpoint of its own, its first rank taking
+rank 0's part, so that no single device's loss takes the newest checkpoint with it.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ from pipeline.errors import PipelineError
 from pipeline.files import atomic_path, first_line, fsync_dir, read_json, write_json
 
 TRAINER_JSON = "trainer.json"
+PER_NODE_ENV = "PIPELINE_CHECKPOINT_PER_NODE"
+"""Set to 1 by cluster training over SSH, where each device's run directory is on its own disk: under DDP, each
+device then writes a whole checkpoint (:class:`Checkpointer`'s `per_node`)."""
 LATEST = "latest"
 _STEP_DIR = re.compile(r"step-(\d+)")
 # What a checkpoint's own files are called (__0_0.distcp, .metadata, trainer.json, rng-0.pt, SHA256SUMS): a name
@@ -134,6 +140,15 @@ def _state(model: nn.Module, optim: Optimizer, outer: dict[str, torch.Tensor] | 
     return {"model": model_sd, "optim": optim_sd} | ({"outer": outer} if outer else {})
 
 
+def node_group() -> dist.ProcessGroup:
+    """A gloo group of this node's ranks (torchrun's `GROUP_RANK`); every rank calls it, once. Each rank learns the
+    others' nodes from one all-gather; only a node's own ranks then meet to make its group."""
+    nodes: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(nodes, os.environ.get("GROUP_RANK", "0"))
+    mine = [rank for rank, node in enumerate(nodes) if node == nodes[dist.get_rank()]]
+    return dist.new_group(mine, backend="gloo", use_local_synchronization=True)
+
+
 def background(setting: bool | None, device: torch.device, across_nodes: bool) -> bool:
     """Whether saves run in the background: as `setting` says, else when training on CUDA or across nodes.
 
@@ -151,15 +166,22 @@ class Checkpointer:
     In the background (`asynchronous`), :meth:`save` copies the state to CPU memory and returns while a thread
     writes it with ``dcp.async_save`` over a gloo group of its own: on the default group its collectives would
     interleave with training's and deadlock (docs/torch-distributed.md#async-checkpoints-need-their-own-group).
-    Rank 0 alone commits a save (trainer.json, `latest`, pruning) once its own write has completed, which DCP makes
-    happen only after every rank's shard is written; each rank's RNG file is written before its write starts. Every
-    rank calls :meth:`save` and :meth:`wait` at the same points; :meth:`poll` (each step) and :meth:`settle` (on the
-    way out after an error) are local.
+    The group's rank 0 alone commits a save (trainer.json, `latest`, pruning) once its own write has completed, which
+    DCP makes happen only after every rank's shard is written; each rank's RNG file is written before its write
+    starts. Every rank calls :meth:`save` and :meth:`wait` at the same points; :meth:`poll` (each step) and
+    :meth:`settle` (on the way out after an error) are local.
+
+    `per_node` (replicated state only: DDP): the group is this node's ranks, so each node writes and commits a whole
+    checkpoint of its own under its own `root`, with no collective across nodes: the save of a device that is lost
+    takes no other device's with it, and costs no round over the link.
     """
 
-    def __init__(self, root: Path, keep: int, asynchronous: bool) -> None:
-        self.root, self.keep = root, keep
-        self.group = dist.new_group(backend="gloo") if asynchronous else None
+    def __init__(self, root: Path, keep: int, asynchronous: bool, per_node: bool = False) -> None:
+        self.root, self.keep, self.asynchronous = root, keep, asynchronous
+        self.group = node_group() if per_node else dist.new_group(backend="gloo") if asynchronous else None
+        # What the ranks meet on: a background save's group is the default group's ranks; a node's, its own.
+        self.members = self.group if per_node else None
+        self.lead = dist.get_rank(self.members) == 0
         self._pending: tuple[Future[Any], Path, dict[str, Any]] | None = None
 
     def save(
@@ -169,34 +191,35 @@ class Checkpointer:
         any (recorded as `outer_state` in trainer.json); returns before it is written when asynchronous, after it is
         committed otherwise."""
         meta = meta | {"outer_state": bool(outer)}
-        if self.group is not None:  # a foreground save was committed, and the ranks met, before it returned
+        if self.asynchronous:  # a foreground save was committed, and the ranks met, before it returned
             self.wait()  # the previous save is committed before the next one starts
         target = self.root / f"step-{meta['step']}"
-        if dist.get_rank() == 0:
+        if self.lead:
             # A crash after a previous save of this step (resumed from an older one) leaves stale shards behind.
             assert latest(self.root) != target.resolve(), f"{target} is the live checkpoint"
             shutil.rmtree(target, ignore_errors=True)
-        dist.barrier()
+        dist.barrier(group=self.members)
         target.mkdir(parents=True, exist_ok=True)
         # Durable and whole, or absent: an emptied rng file (a power cut after an in-place write) fails every resume.
         with atomic_path(target / f"rng-{dist.get_rank()}.pt") as tmp:
             torch.save(torch.get_rng_state(), tmp)
         state = _state(model, optim, outer)
-        # Every replicated tensor (all of DDP's) in rank 0's file: a checkpoint is then whole without the files of the
-        # other ranks, so one that leaves after the save does not take the newest checkpoint with it.
+        # Every replicated tensor (all of DDP's) in the lead rank's file: a checkpoint is then whole without the files
+        # of the other ranks, so one that leaves after the save does not take the newest checkpoint with it.
         planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
-        if self.group is None:
-            written: Future[Any] = Future()
-            written.set_result(dcp.save(state, checkpoint_id=target, planner=planner))
-        else:
+        written: Future[Any]
+        if self.asynchronous:
             written = dcp.async_save(state, checkpoint_id=target, process_group=self.group, planner=planner)
+        else:
+            written = Future()
+            written.set_result(dcp.save(state, checkpoint_id=target, process_group=self.group, planner=planner))
         self._pending = (written, target, meta)
-        if self.group is None:
+        if not self.asynchronous:
             self.wait()
         return target
 
     def poll(self) -> None:
-        """Commit the save in flight if its write has completed (a no-op but on rank 0); never blocks."""
+        """Commit the save in flight if its write has completed (a no-op but on the lead rank); never blocks."""
         if self._pending is not None and self._pending[0].done():
             self._commit_pending()
 
@@ -204,7 +227,7 @@ class Checkpointer:
         """Block until the save in flight (if any) is written and committed; raises if writing it failed."""
         if self._pending is not None:
             self._commit_pending()
-        dist.barrier()  # no rank reads `latest` before rank 0 has moved it
+        dist.barrier(group=self.members)  # no rank reads `latest` before the lead rank has moved it
 
     def settle(self, timeout_s: float) -> None:
         """After an error: give the save in flight up to `timeout_s` to finish and commit it if it did. No
@@ -224,7 +247,7 @@ class Checkpointer:
         written, target, meta = self._pending
         self._pending = None
         written.result()
-        if dist.get_rank() == 0:
+        if self.lead:
             write_json(target / TRAINER_JSON, meta)
             point_latest(self.root, target.name)
             prune(self.root, self.keep)

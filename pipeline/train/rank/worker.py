@@ -175,7 +175,9 @@ class Trainer:
         self.modes: batchnorm.ModeCheck | None = None
         across_nodes = self.rt.world_size > int(os.environ.get("LOCAL_WORLD_SIZE", self.rt.world_size))
         background = checkpoint.background(train.checkpoint_async, self.rt.device, across_nodes)
-        self.checkpointer = checkpoint.Checkpointer(self.ckpt_root, train.keep_checkpoints, background)
+        # Over SSH each device's disk is its own: under DDP each writes a whole checkpoint (pipeline.train.cluster).
+        per_node = os.environ.get(checkpoint.PER_NODE_ENV) == "1" and self.strategy == "ddp"
+        self.checkpointer = checkpoint.Checkpointer(self.ckpt_root, train.keep_checkpoints, background, per_node)
         self.samples = 0
         self.train_seconds = 0.0
         # train.balance: shares of the batch follow the ranks' steps. DDP only (FSDP's shards gather in step), and

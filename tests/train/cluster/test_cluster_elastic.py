@@ -7,6 +7,7 @@ booted again with its disk as it was; the controller takes it back in at the nex
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import threading
 import time
@@ -16,6 +17,7 @@ import pytest
 
 from pipeline import layout
 from pipeline.files import read_json
+from pipeline.train.cluster import run_key
 from tests.train.cluster.test_cluster import (
     forwarding,
     inventory,
@@ -107,3 +109,43 @@ def test_a_device_that_comes_back_rejoins(jetson_fleet, forwarding, tmp_path: Pa
     latest = run_dir / layout.LATEST
     assert sorted(p.name for p in latest.glob("rng-*.pt")) == ["rng-0.pt", "rng-1.pt", "rng-2.pt"]
     assert marked_processes(fleet) == []
+
+
+@pytest.mark.slow
+def test_losing_the_device_that_runs_rank_0_loses_no_checkpoint_the_others_committed(
+    jetson_fleet, forwarding, tmp_path: Path
+) -> None:
+    """Under DDP each device commits a whole checkpoint of its own: rank 0's device is killed as soon as another
+    device has committed one, before the controller may have copied it, and training goes on from it (or from a newer
+    one the controller copied in time), not from an older one."""
+    fleet = start_cluster(jetson_fleet, 3)
+    run_dir = tmp_path / "run"
+    args = ("--set", "train.epochs=8", "--set", "train.strategy=ddp", *ELASTIC)
+    proc = subprocess.Popen(
+        pipeline_cmd("train", "--inventory", str(inventory(fleet)), "--run-dir", str(run_dir), *args),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    output = Output(proc)
+    runs = {t.name: t.disk / "train/runs" / run_key(run_dir.resolve()) for t in fleet}
+    try:
+        deadline = time.monotonic() + 300
+        held: dict[str, str] = {}
+        while not held and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+            # Round 1: only the device of rank 0 has metrics.jsonl (the controller has none to send yet).
+            first = [name for name, run in runs.items() if (run / layout.METRICS).is_file()]
+            pointers = {name: run / layout.LATEST for name, run in runs.items() if name not in first}
+            held = {name: os.readlink(p) for name, p in pointers.items() if first and p.is_symlink()}
+        assert held, output.text()[-4000:]
+        fleet[first[0]].kill()
+        proc.wait(timeout=600)
+    finally:
+        proc.kill()
+    text = output.text()
+    assert proc.returncode == 0, text[-4000:]
+    (left,) = read_json(run_dir / layout.SUMMARY)["events"]
+    assert left["node"] == first[0]
+    assert left["resumed_step"] >= min(int(p.removeprefix("step-")) for p in held.values()) > 0

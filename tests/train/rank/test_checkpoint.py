@@ -127,6 +127,46 @@ def test_a_checkpoint_holds_the_weights_of_its_step_and_latest_moves_once_it_is_
         assert {info.relative_path for info in storage.values()} == {"__0_0.distcp"}
 
 
+def _save_on_own_node(root: Path) -> None:
+    """Each rank a node of its own (`GROUP_RANK`) with its own disk (`root/node-<rank>`): rank 1 saves step 1 of a
+    DDP model while rank 0 waits at a barrier it meets only after rank 1's save is committed; then rank 0 saves."""
+    rt = runtime.init(validate({"train": {"pg_timeout_s": 60}}, "test").train)
+    os.environ["GROUP_RANK"] = str(rt.rank)
+    try:
+        for mode, asynchronous in MODES.items():
+            torch.manual_seed(0)
+            model = DistributedDataParallel(models.build_model("small_cnn", 10, 1))
+            optim = torch.optim.AdamW(model.parameters())
+            ckpt = checkpoint.Checkpointer(root / mode / f"node-{rt.rank}", 2, asynchronous, per_node=True)
+            if rt.is_main:
+                torch.save(model.module.state_dict(), root / f"{mode}.pt")
+                dist.barrier()  # a save that needed rank 0 would wait here for pg_timeout_s, and fail
+            ckpt.save(model, optim, {"epoch": 0, "step": 1})
+            ckpt.wait()
+            if not rt.is_main:
+                dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_per_node_each_node_commits_a_whole_checkpoint_of_its_own_without_the_others(tmp_path: Path) -> None:
+    """Cluster training over SSH: a device lost after a save takes no other device's copy with it, whichever rank
+    it ran, and a save costs no collective across the link."""
+    run_ranks(_save_on_own_node, tmp_path)
+    for mode in MODES:
+        expected = torch.load(tmp_path / f"{mode}.pt", weights_only=True)
+        for rank in (0, 1):
+            root = tmp_path / mode / f"node-{rank}"
+            assert checkpoint.latest(root) == (root / "step-1").resolve()
+            state = {"model": models.build_model("small_cnn", 10, 1).state_dict()}
+            dcp.load(state, checkpoint_id=root / "step-1", no_dist=True)
+            assert all(torch.equal(state["model"][k], expected[k]) for k in expected)
+            assert sorted(p.name for p in (root / "step-1").glob("rng-*.pt")) == [f"rng-{rank}.pt"]
+            storage = dcp.FileSystemReader(root / "step-1").read_metadata().storage_data
+            assert {info.relative_path for info in storage.values()} == {"__0_0.distcp"}
+
+
 def _resumable_step(root: Path, cfg: Config) -> Path:
     """A complete checkpoint step-7 of `cfg` under `root`, `latest` on it, with rank 0's RNG state."""
     dcp.save({"model": {"w": torch.zeros(2)}}, checkpoint_id=root / "step-7", no_dist=True)
