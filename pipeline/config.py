@@ -206,8 +206,9 @@ class TrainConfig(Section):
     model, 1% but at least 2048 entries and at most 10% (small_cnn: 10%, resnet18 and resnet50: 1%;
     docs/measurements.md#top-k-how-many-entries)."""
     localsgd_period: int = Field(8, ge=1)
-    """`localsgd` and `diloco`: steps between model averagings (`diloco`: outer steps) after warm-up; one more at
-    each epoch's end when the models differ, so that one model is validated and saved."""
+    """`localsgd` and `diloco`: steps between model averagings (`diloco`: outer steps) after warm-up, as near as the
+    epoch allows: an epoch of S steps gets round(S / period) of them (at least one), spread evenly, the last at its
+    end, where one model must be validated and saved (docs/measurements.md#averagings-lined-up-with-the-epochs)."""
     localsgd_int8: bool = False
     """`localsgd`: average each tensor's change since the last averaging in 8 bits (one fp32 scale per tensor) with
     error feedback, instead of the fp32 parameters: a quarter of the bytes on each averaging step (the first, with no

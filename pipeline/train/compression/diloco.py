@@ -1,4 +1,4 @@
-"""`diloco`: each rank trains alone (the inner steps, with the run's own optimizer), and every `localsgd_period` steps
+"""`diloco`: each rank trains alone (inner steps, with the run's own optimizer), and about every `localsgd_period` steps
 the ranks average how far their models moved since the last outer step and take a Nesterov step on it (the outer
 step), as DiLoCo does (Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models", 2023,
 arXiv:2311.08105, Algorithm 1: outer Nesterov SGD, learning rate 0.7; its momentum 0.9 is for hundreds of inner
@@ -19,23 +19,23 @@ from pipeline.train.compression.method import Averager, Knobs, Method
 
 
 class OuterStep:
-    """The outer optimizer: every `period` steps after warm-up, average the ranks' change since the anchor (the
-    parameters after the last outer step, the same on every rank) and step the anchor by Nesterov SGD on it; every
-    rank then continues from the new anchor. The first outer step, with no anchor yet, only averages the models.
+    """The outer optimizer: when its schedule says (about every `localsgd_period` steps), average the ranks' change
+    since the anchor (the parameters after the last outer step, the same on every rank) and step the anchor by
+    Nesterov SGD on it; every rank then continues from the new anchor. The first outer step, with no anchor yet, only
+    averages the models.
 
     The change goes in fp32 through the faster of a ring all-reduce and a star (measured at the first outer step:
     collectives.Fastest), or with `int8` in 8 bits with error feedback (localsgd.Int8Mean)."""
 
     def __init__(
         self,
-        period: int,
-        warmup_steps: int,
+        schedule: localsgd.Schedule,
         lr: float,
         momentum: float,
         group: dist.ProcessGroup | None = None,
         int8: bool = False,
     ) -> None:
-        self.schedule = localsgd.Schedule(period, warmup_steps)
+        self.schedule = schedule
         self.lr, self.momentum, self.group = lr, momentum, group
         self.collective = collectives.Fastest(group)
         self.int8 = localsgd.Int8Mean(group) if int8 else None
@@ -105,9 +105,7 @@ def nesterov(
 
 def _outer(knobs: Knobs, group: dist.ProcessGroup | None) -> Averager:
     train = knobs.train
-    return OuterStep(
-        train.localsgd_period, knobs.warmup_steps, train.outer_lr, train.outer_momentum, group, train.outer_int8
-    )
+    return OuterStep(localsgd.schedule(knobs), train.outer_lr, train.outer_momentum, group, train.outer_int8)
 
 
 METHOD = Method(

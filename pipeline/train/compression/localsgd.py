@@ -1,4 +1,4 @@
-"""`localsgd`: each rank trains alone after warm-up and the models are averaged every `localsgd_period` steps
+"""`localsgd`: each rank trains alone after warm-up and the models are averaged about every `localsgd_period` steps
 (fp32, or their change since the last average in 8 bits with `localsgd_int8`).
 
 Not among `auto`'s choices: it changes what is averaged (the model, not the gradients), so it cannot take over from a
@@ -6,17 +6,17 @@ gradient method at any step.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as live objects (GradBucket, Future).
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook
-from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.distributed.algorithms.model_averaging.utils import average_parameters
 
 from pipeline.train.compression import collectives
-from pipeline.train.compression.method import Averager, CommCounter, CommHook, Knobs, Method
+from pipeline.train.compression.method import Averager, CommCounter, CommHook, Epoch, Knobs, Method
 
 
 def _hook(knobs: Knobs, group: dist.ProcessGroup | None, counter: CommCounter) -> tuple[Any, CommHook]:
@@ -39,10 +39,19 @@ def _hook(knobs: Knobs, group: dist.ProcessGroup | None, counter: CommCounter) -
 
 
 class Schedule:
-    """When an averaging is due: after warm-up, every `period` steps (as torch's PeriodicModelAverager)."""
+    """When an averaging is due: after warm-up, about every `period` steps, lined up with the epochs.
 
-    def __init__(self, period: int, warmup_steps: int) -> None:
-        self.period, self.warmup_steps, self.step = period, warmup_steps, 0
+    Each epoch of S steps gets round(S / period) averagings (at least one), spread evenly, the last at its last step:
+    the epoch's end needs the models one anyway (its evaluation and checkpoint), and an averaging a step or two before
+    it would leave them apart again, to be settled by one more round over the link
+    (docs/measurements.md#averagings-lined-up-with-the-epochs)."""
+
+    def __init__(self, period: int, warmup_steps: int, epoch: Epoch) -> None:
+        self.warmup_steps, self.step, self.done = warmup_steps, 0, epoch.done
+        count = max(1, round(epoch.steps / period))
+        self.ends = {math.ceil((i + 1) * epoch.steps / count) for i in range(count)}
+        """Steps into an epoch (1 to S) after which an averaging is due."""
+        self.steps = epoch.steps
         self.in_sync = True
         """Whether the ranks' models are one now: during warm-up (DDP all-reduces the gradients) and right after an
         averaging."""
@@ -51,7 +60,8 @@ class Schedule:
 
     def tick(self) -> bool:
         """Count a step; whether the model is averaged at it."""
-        due = self.step >= self.warmup_steps and (self.step - self.warmup_steps) % self.period == 0
+        into = (self.done + self.step) % self.steps + 1
+        due = self.step >= self.warmup_steps and into in self.ends
         self.step += 1
         self.in_sync = due or self.step <= self.warmup_steps
         return due
@@ -64,23 +74,21 @@ class Schedule:
 
 
 class Fp32Averager:
-    """torch's PeriodicModelAverager (an all-reduce of the parameters when due), counting the bytes it sends."""
+    """An all-reduce of the parameters when due (torch's `average_parameters`), counting the bytes it sends."""
 
-    def __init__(self, period: int, warmup_steps: int, group: dist.ProcessGroup | None = None) -> None:
-        self.schedule = Schedule(period, warmup_steps)
-        self.inner = PeriodicModelAverager(period, warmup_steps, group)
+    def __init__(self, schedule: Schedule, group: dist.ProcessGroup | None = None) -> None:
+        self.schedule, self.group = schedule, group
 
     def average(self, params: list[torch.Tensor]) -> int:
         """Average when due; the bytes sent."""
-        due = self.schedule.tick()
-        self.inner.average_parameters(params)
-        return sum(p.numel() * p.element_size() for p in params) if due else 0
+        return self._average(params) if self.schedule.tick() else 0
 
     def settle(self, params: list[torch.Tensor]) -> int:
         """Average now unless the models are one already; the bytes sent."""
-        if not self.schedule.settle_due():
-            return 0
-        average_parameters(iter(params), self.inner.process_group)
+        return self._average(params) if self.schedule.settle_due() else 0
+
+    def _average(self, params: list[torch.Tensor]) -> int:
+        average_parameters(iter(params), self.group)
         return sum(p.numel() * p.element_size() for p in params)
 
 
@@ -155,8 +163,8 @@ class Int8DeltaAverager:
     """Local SGD's periodic averaging in 8 bits: each rank sends how far its model moved since the last average (its
     anchor, the same on every rank) through :class:`Int8Mean`. The first averaging, with no anchor yet, is in fp32."""
 
-    def __init__(self, period: int, warmup_steps: int, group: dist.ProcessGroup | None = None) -> None:
-        self.schedule, self.group = Schedule(period, warmup_steps), group
+    def __init__(self, schedule: Schedule, group: dist.ProcessGroup | None = None) -> None:
+        self.schedule, self.group = schedule, group
         self.int8 = Int8Mean(group)
         self.anchor: list[torch.Tensor] = []
 
@@ -191,7 +199,12 @@ class Int8DeltaAverager:
 
 def _averager(knobs: Knobs, group: dist.ProcessGroup | None) -> Averager:
     kind = Int8DeltaAverager if knobs.train.localsgd_int8 else Fp32Averager
-    return kind(knobs.train.localsgd_period, knobs.warmup_steps, group)
+    return kind(schedule(knobs), group)
+
+
+def schedule(knobs: Knobs) -> Schedule:
+    """The averaging schedule `knobs` ask for: `localsgd_period`, the warm-up, the epoch."""
+    return Schedule(knobs.train.localsgd_period, knobs.warmup_steps, knobs.epoch)
 
 
 METHOD = Method(

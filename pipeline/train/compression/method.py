@@ -28,8 +28,19 @@ CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 
 @dataclass(frozen=True)
+class Epoch:
+    """How the optimizer steps fall into epochs, for the averagings lined up with them (:class:`.localsgd.Schedule`)."""
+
+    steps: int
+    """Optimizer steps an epoch."""
+    done: int = 0
+    """Steps of the current epoch taken before the method was set up (a resume mid-epoch)."""
+
+
+@dataclass(frozen=True)
 class Knobs:
-    """What a method is set up from: the user's train settings, the model's size and the warm-up still due."""
+    """What a method is set up from: the user's train settings, the model's size, the warm-up still due and the
+    epoch's steps."""
 
     train: TrainConfig
     """The run's `train` table (each method reads its own settings: `powersgd_rank`, `topk_fraction`, …)."""
@@ -37,6 +48,8 @@ class Knobs:
     """Trainable entries of the model (the scale some defaults follow)."""
     warmup_steps: int
     """Steps of plain all-reduce still due before the method starts (computed for this run; see registry)."""
+    epoch: Epoch
+    """Where the steps fall in epochs."""
 
 
 @dataclass

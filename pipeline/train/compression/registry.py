@@ -28,7 +28,7 @@ from pipeline.train.compression import (
     streaming,
     topk,
 )
-from pipeline.train.compression.method import Compression, Knobs, Method, register
+from pipeline.train.compression.method import Compression, Epoch, Knobs, Method, register
 
 MODULES: tuple[ModuleType, ...] = (
     none,
@@ -82,23 +82,29 @@ def warmup_steps(cfg: TrainConfig, steps_per_epoch: int, done: int = 0) -> int:
     return max(steps - done, 0, method(cfg).min_warmup_steps)
 
 
-def knobs(cfg: TrainConfig, model: nn.Module, warmup: int) -> Knobs:
-    """What the configured method is set up from for `model`; a PipelineError if it cannot work on the model."""
+def knobs(cfg: TrainConfig, model: nn.Module, warmup: int, epoch: Epoch | None = None) -> Knobs:
+    """What the configured method is set up from for `model`; a PipelineError if it cannot work on the model.
+    `epoch` unset: epochs of `localsgd_period` steps (an averaging every period, from the first step's)."""
     params = [p for p in model.parameters() if p.requires_grad]
     chosen = method(cfg)
-    resolved = Knobs(cfg, sum(p.numel() for p in params), warmup if chosen.warms_up else 0)
+    epoch = epoch or Epoch(cfg.localsgd_period)
+    resolved = Knobs(cfg, sum(p.numel() for p in params), warmup if chosen.warms_up else 0, epoch)
     if why := chosen.refuses(params, resolved):
         raise PipelineError(f"train.compression {chosen.name!r}: {why}")
     return resolved
 
 
 def install(
-    model: DistributedDataParallel, cfg: TrainConfig, warmup: int, group: ProcessGroup | None = None
+    model: DistributedDataParallel,
+    cfg: TrainConfig,
+    warmup: int,
+    epoch: Epoch | None = None,
+    group: ProcessGroup | None = None,
 ) -> Compression:
     """Register the configured method on a DDP model, with `warmup` steps of plain all-reduce still due (see
-    :func:`warmup_steps`); return what counts and completes it."""
+    :func:`warmup_steps`) and the steps falling into epochs as `epoch` says; return what counts and completes it."""
     chosen = method(cfg)
-    resolved = knobs(cfg, model.module, warmup)
+    resolved = knobs(cfg, model.module, warmup, epoch)
     if chosen.install is not None:
         return chosen.install(model, resolved, group, list(METHODS.values()))
     return register(chosen, model, resolved, group)

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from pipeline.config import TrainConfig
 from pipeline.errors import PipelineError
 from pipeline.train.compression import collectives, registry
-from pipeline.train.compression.method import CommCounter, Compression
+from pipeline.train.compression.method import CommCounter, Compression, Epoch
 from pipeline.train.rank.fsdp2 import NEEDS_CUDA, FSDPModule, MixedPrecisionPolicy, fully_shard
 from pipeline.train.rank.runtime import Runtime
 
@@ -155,10 +155,11 @@ class _FixedPayload(Compression):
 
 
 def wrap(
-    model: nn.Module, cfg: TrainConfig, rt: Runtime, name: str = "ddp", warmup: int = 0
+    model: nn.Module, cfg: TrainConfig, rt: Runtime, name: str = "ddp", warmup: int = 0, epoch: Epoch | None = None
 ) -> tuple[nn.Module, Compression]:
     """Move `model` to this rank's device and wrap it as `name` (ddp or fsdp); return it and its compression, which
-    under DDP runs plain all-reduce for `warmup` more steps (registry.warmup_steps)."""
+    under DDP runs plain all-reduce for `warmup` more steps (registry.warmup_steps) and lines up the averagings of
+    the methods that average models with `epoch`'s steps (registry.knobs)."""
     model = model.to(rt.device)
     if name == "fsdp":
         policy = fsdp_policy(cfg, rt.precision)
@@ -182,7 +183,7 @@ def wrap(
     # its own), and sync_buffers copies them to every rank before evaluation and checkpoints. It was a collective
     # every step (docs/measurements.md#collectives-on-a-weak-link).
     ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=one_bucket, broadcast_buffers=False)
-    return ddp, registry.install(ddp, cfg, warmup)
+    return ddp, registry.install(ddp, cfg, warmup, epoch)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

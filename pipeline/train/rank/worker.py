@@ -30,6 +30,7 @@ from pipeline.files import write_json
 from pipeline.library_warnings import route_library_warnings
 from pipeline.manifest import RunDir
 from pipeline.train.compression import autoplan, collectives, registry
+from pipeline.train.compression.method import Epoch
 from pipeline.train.rank import (
     batchnorm,
     checkpoint,
@@ -151,9 +152,10 @@ class Trainer:
         """Spread the model over the ranks with its compression, and build the optimizer and loss scaler."""
         cfg, rt = self.cfg, self.rt
         # The hooks count the warm-up in steps from here: a resumed run has done part or all of it already.
-        done = checkpoint.read_meta(self.resume_from)["step"] if self.resume_from else 0
-        warmup = registry.warmup_steps(self.train_cfg, len(self.train_loader), done)
-        self.model, self.comm = strategy.wrap(net, self.train_cfg, rt, self.strategy, warmup)
+        meta = checkpoint.read_meta(self.resume_from) if self.resume_from else {"step": 0}
+        warmup = registry.warmup_steps(self.train_cfg, len(self.train_loader), meta["step"])
+        epoch = Epoch(len(self.train_loader), meta.get("next_batch", 0))  # a resume mid-epoch goes on where it was
+        self.model, self.comm = strategy.wrap(net, self.train_cfg, rt, self.strategy, warmup, epoch)
         # FSDP swaps parameters for sharded ones in place and DDP wraps them: find them by name after wrapping.
         self.frozen = [p for n, p in strategy.unwrap(self.model).named_parameters() if n in frozen]
         self.freezing = False

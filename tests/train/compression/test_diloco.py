@@ -11,11 +11,17 @@ import torch
 import torch.distributed as dist
 
 from pipeline.config import validate
-from pipeline.train.compression import diloco
+from pipeline.train.compression import diloco, localsgd
+from pipeline.train.compression.method import Epoch
 from pipeline.train.rank import runtime
 from tests.train.compression.helpers import mid_epoch_saves, rank_results
 
 LR, MOMENTUM = 0.7, 0.9
+
+
+def every_step() -> localsgd.Schedule:
+    """An outer step after every step."""
+    return localsgd.Schedule(1, 0, Epoch(1))
 
 
 def two_outer_steps() -> dict[str, Any]:
@@ -23,7 +29,7 @@ def two_outer_steps() -> dict[str, Any]:
     followed by an outer step. The parameters after each outer step and the moves, and the bytes sent."""
     rank = dist.get_rank()
     params = [torch.randn(20, 5, generator=torch.Generator().manual_seed(rank)), torch.zeros(3)]
-    outer = diloco.OuterStep(period=1, warmup_steps=0, lr=LR, momentum=MOMENTUM)
+    outer = diloco.OuterStep(every_step(), lr=LR, momentum=MOMENTUM)
     sent = [outer.average(params)]
     after = [[p.tolist() for p in params]]
     moves = []
@@ -46,14 +52,14 @@ def resumed_outer_steps() -> dict[str, Any]:
     ends = {}
     for how in ("straight", "restored", "forgotten"):
         params = [torch.randn(20, 5, generator=torch.Generator().manual_seed(rank))]
-        outer = diloco.OuterStep(period=1, warmup_steps=0, lr=LR, momentum=MOMENTUM)
+        outer = diloco.OuterStep(every_step(), lr=LR, momentum=MOMENTUM)
         outer.average(params)
         for round_ in (1, 2, 3):
             params[0].add_(torch.randn(20, 5, generator=torch.Generator().manual_seed(100 * round_ + rank)))
             outer.average(params)
             if round_ == 1 and how != "straight":
                 saved = {k: v.clone() for k, v in outer.state(params).items()}
-                outer = diloco.OuterStep(period=1, warmup_steps=0, lr=LR, momentum=MOMENTUM)
+                outer = diloco.OuterStep(every_step(), lr=LR, momentum=MOMENTUM)
                 if how == "restored":
                     template = outer.state(params)  # what a checkpoint's outer state is loaded into, in place
                     for key, tensor in template.items():
@@ -118,7 +124,7 @@ def int8_outer_steps() -> dict[str, Any]:
     """As two_outer_steps, with the same moves, but the change goes in 8 bits (`outer_int8`, the default)."""
     rank = dist.get_rank()
     params = [torch.randn(20, 5, generator=torch.Generator().manual_seed(rank)), torch.zeros(3)]
-    outer = diloco.OuterStep(period=1, warmup_steps=0, lr=LR, momentum=MOMENTUM, int8=True)
+    outer = diloco.OuterStep(every_step(), lr=LR, momentum=MOMENTUM, int8=True)
     sent = [outer.average(params)]
     for round_ in (1, 2):
         gen = torch.Generator().manual_seed(100 * round_ + rank)  # two_outer_steps' moves
@@ -145,7 +151,8 @@ def settle_between_outer_steps() -> dict[str, Any]:
     end settling it; then a second settle with nothing to do. The parameters and the bytes of each call."""
     rank = dist.get_rank()
     params = [torch.randn(20, 5, generator=torch.Generator().manual_seed(rank))]
-    outer = diloco.OuterStep(period=4, warmup_steps=0, lr=LR, momentum=MOMENTUM)
+    # Epochs of 4 steps with one averaging each, the first process step the epoch's last (a resume mid-epoch).
+    outer = diloco.OuterStep(localsgd.Schedule(4, 0, Epoch(4, done=3)), lr=LR, momentum=MOMENTUM)
     sent = [outer.average(params)]
     params[0].add_(torch.randn(20, 5, generator=torch.Generator().manual_seed(10 + rank)))
     sent += [outer.average(params), outer.settle(params), outer.settle(params)]

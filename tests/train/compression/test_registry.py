@@ -75,10 +75,11 @@ def expected_bytes(method: str, step: int) -> int:
         return full // 2 if method != "none" else full
     if method == "star":
         return full
-    if method in ("diloco", "streaming"):  # no warm-up: the models averaged at once in fp32, then changes in 8 bits
-        if (step - 1) % PERIOD:
-            return 0
-        return full if step == 1 else numel + 4 * len(params)
+    # 12 steps an epoch, PERIOD 4: the averagings of local SGD and DiLoCo end the epoch's thirds (localsgd.Schedule).
+    if method == "diloco":  # no warm-up: the models averaged in fp32 at the first, then changes in 8 bits
+        return 0 if step % PERIOD else full if step == PERIOD else numel + 4 * len(params)
+    if method == "streaming":  # the models averaged at once in fp32, then each turn's changes in 8 bits
+        return 0 if (step - 1) % PERIOD else full if step == 1 else numel + 4 * len(params)
     if step <= WARMUP:
         return full
     if method == "powersgd":
@@ -87,8 +88,8 @@ def expected_bytes(method: str, step: int) -> int:
         return math.ceil(numel * FRACTION) * 8
     if method == "sign":
         return sign.size(params)
-    # localsgd: no gradient traffic; the parameters are averaged after step WARMUP + 1, then every PERIOD steps.
-    return full if (step - 1 - WARMUP) % PERIOD == 0 else 0
+    # localsgd: no gradient traffic after the warm-up's WARMUP steps; the parameters averaged at the thirds' ends.
+    return 0 if step % PERIOD else full
 
 
 @pytest.mark.parametrize("method", METHODS)

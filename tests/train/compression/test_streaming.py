@@ -15,7 +15,7 @@ import torch.distributed as dist
 from pipeline.config import validate
 from pipeline.errors import PipelineError
 from pipeline.train.compression import streaming
-from pipeline.train.compression.method import Knobs
+from pipeline.train.compression.method import Epoch, Knobs
 from pipeline.train.rank import runtime
 from tests.train.compression.helpers import mid_epoch_saves, rank_results
 
@@ -27,7 +27,7 @@ def outer_step(period: int = 2, delay: int = 1, fragments: int = 1) -> streaming
     """The averager as `train.compression = "streaming"` builds it, with these knobs."""
     train = {"localsgd_period": period, "stream_delay_steps": delay, "stream_fragments": fragments}
     cfg = validate({"train": train | {"outer_lr": LR, "outer_momentum": MOMENTUM}}, "test").train
-    return streaming.StreamingOuterStep(Knobs(cfg, 103, 0))
+    return streaming.StreamingOuterStep(Knobs(cfg, 103, 0, Epoch(8)))
 
 
 def move(params: list[torch.Tensor], seed: int) -> list[list[float]]:
