@@ -85,7 +85,9 @@ def epoch_rows(run: RunDir) -> list[dict[str, Any]]:
     lines = [parse_json(line, str(path)) for line in path.read_text().splitlines() if line.strip()]
     rows = []
     for line in (x for x in lines if "val_accuracy" in x):
-        losses = [x["loss"] for x in lines if "step" in x and x.get("epoch") == line["epoch"]]
+        # A step rank 0 did not train (a slow rank's share of the steps: shares.paces) has no loss.
+        steps = [x for x in lines if "step" in x and x.get("epoch") == line["epoch"]]
+        losses = [x["loss"] for x in steps if x.get("loss") is not None]
         mean_loss = sum(losses) / len(losses) if losses else float("nan")
         rows.append(
             {"epoch": line["epoch"], "train_loss": mean_loss, **{k: line.get(k) for k in ("val_loss", "val_accuracy")}}

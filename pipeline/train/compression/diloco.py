@@ -73,6 +73,7 @@ class OuterStep:
         moved = (
             [p.detach().clone() for p in params] if first else [a - p for a, p in zip(self.anchor, params, strict=True)]
         )
+        localsgd.weigh(moved, self.schedule, self.group)  # `moved` is this step's own
         mean, sent = self._mean(moved, first)
         if first:
             self.anchor = [m.clone() for m in mean]

@@ -57,6 +57,27 @@ class Schedule:
         averaging."""
         self.whole = True
         """An averaging makes the models one."""
+        self.paces: list[float] = []
+        """The share of the steps each rank trains (:meth:`pace`); empty: every rank every step."""
+        self.since = 0
+        """The first step whose changes the next averaging takes in."""
+        self.weights: list[float] = []
+        """Each rank's weight in the averaging just due: the ranks' number times its share of the steps trained
+        since the one before; empty: all alike."""
+
+    def pace(self, paces: list[float]) -> None:
+        """From the next step, rank r trains `paces[r]` of the steps, spread evenly (every step during warm-up, where
+        DDP all-reduces each one's gradients), and each averaging weighs a rank's change by the steps it trained.
+        Called with the models one (an epoch's start), at the same step on every rank."""
+        self.paces, self.since = list(paces), self.step
+
+    def trains(self, rank: int) -> bool:
+        """Whether `rank` trains at the next step (:meth:`pace`)."""
+        return not self.paces or self.step < self.warmup_steps or trained(self.step, self.step + 1, self.paces[rank])
+
+    def weight(self, rank: int) -> float:
+        """`rank`'s weight in the averaging just due (1 while every rank trains every step)."""
+        return self.weights[rank] if self.weights else 1.0
 
     def tick(self) -> bool:
         """Count a step; whether the model is averaged at it."""
@@ -64,13 +85,30 @@ class Schedule:
         due = self.step >= self.warmup_steps and into in self.ends
         self.step += 1
         self.in_sync = due or self.step <= self.warmup_steps
+        if due:
+            self._close()
         return due
 
     def settle_due(self) -> bool:
         """Whether the models differ now, so that an averaging must make them one (counted as done)."""
         needed = not self.in_sync
         self.in_sync = True
+        if needed:
+            self._close()
         return needed
+
+    def _close(self) -> None:
+        """The weights of the averaging due now, and the start of the next one's steps."""
+        start = max(self.since, self.warmup_steps)
+        counts = [trained(start, self.step, pace) for pace in self.paces]
+        self.weights = [len(counts) * c / sum(counts) for c in counts] if sum(counts) else []
+        self.since = self.step
+
+
+def trained(start: int, stop: int, pace: float) -> int:
+    """Steps a rank at `pace` trains of steps `start` to `stop` - 1: those where ⌊(step + 1)·pace⌋ moves on (every
+    1/pace-th step, as evenly as whole steps allow; the same count on every rank that computes it)."""
+    return math.floor(stop * pace) - math.floor(start * pace)
 
 
 class Fp32Averager:
@@ -87,9 +125,20 @@ class Fp32Averager:
         """Average now unless the models are one already; the bytes sent."""
         return self._average(params) if self.schedule.settle_due() else 0
 
+    @torch.no_grad()
     def _average(self, params: list[torch.Tensor]) -> int:
+        weigh(params, self.schedule, self.group)
         average_parameters(iter(params), self.group)
         return sum(p.numel() * p.element_size() for p in params)
+
+
+def weigh(tensors: list[torch.Tensor], schedule: Schedule, group: dist.ProcessGroup | None) -> None:
+    """Scale this rank's `tensors` in place by its weight in the averaging due (:meth:`Schedule.weight`): the mean
+    over the ranks is then the weighted one."""
+    weight = schedule.weight(dist.get_rank(group))
+    if weight != 1.0:
+        for t in tensors:
+            t.mul_(weight)
 
 
 def quantise_int8(
@@ -182,6 +231,7 @@ class Int8DeltaAverager:
 
     @torch.no_grad()
     def _first(self, params: list[torch.Tensor]) -> int:
+        weigh(params, self.schedule, self.group)
         collectives.all_reduce_flat(params, self.group, star=False)
         for p in params:
             p.div_(dist.get_world_size(self.group))
@@ -190,7 +240,9 @@ class Int8DeltaAverager:
 
     @torch.no_grad()
     def _deltas(self, params: list[torch.Tensor]) -> int:
-        mean, sent = self.int8.mean([p - a for p, a in zip(params, self.anchor, strict=True)])
+        changes = [p - a for p, a in zip(params, self.anchor, strict=True)]
+        weigh(changes, self.schedule, self.group)
+        mean, sent = self.int8.mean(changes)
         for p, a, m in zip(params, self.anchor, mean, strict=True):
             p.copy_(a + m)
             a.copy_(p)

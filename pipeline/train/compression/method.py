@@ -108,6 +108,20 @@ class Averager(Protocol):
 
 
 @runtime_checkable
+class Paced(Protocol):
+    """A timetable under which a slow rank may train only some of the steps, its change weighed by the steps it
+    trained (:class:`.localsgd.Schedule`): no collective runs between averagings, so none waits for a skipped step."""
+
+    def pace(self, paces: list[float]) -> None:
+        """From the next step, rank r trains `paces[r]` of the steps."""
+        ...
+
+    def trains(self, rank: int) -> bool:
+        """Whether `rank` trains at the next step."""
+        ...
+
+
+@runtime_checkable
 class Stateful(Protocol):
     """An averager with state of its own that a checkpoint must keep (DiLoCo's outer momentum)."""
 
@@ -250,6 +264,21 @@ class Compression:
         if self.averager is not None and not self.averager.schedule.in_sync and not self.averager.schedule.whole:
             self.counter.add(self.settle(model))
         return self.in_sync()
+
+    @property
+    def paced(self) -> bool:
+        """Whether a slow rank may train only some of the steps (:class:`Paced`)."""
+        return self.averager is not None and isinstance(self.averager.schedule, Paced)
+
+    def pace(self, paces: list[float]) -> None:
+        """From the next step, rank r trains `paces[r]` of the steps (:attr:`paced` methods only)."""
+        assert self.averager is not None and isinstance(self.averager.schedule, Paced)
+        self.averager.schedule.pace(paces)
+
+    def trains(self, rank: int) -> bool:
+        """Whether `rank` trains at the next step: always, but under a :attr:`paced` method that paces it."""
+        schedule = self.averager.schedule if self.averager is not None else None
+        return not isinstance(schedule, Paced) or schedule.trains(rank)
 
     def outer_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """What a checkpoint keeps of the averager's own state: {} but for an averager that has one (DiLoCo's)."""

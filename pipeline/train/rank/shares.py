@@ -19,6 +19,7 @@ make a seeded run's data order depend on the machine's load).
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -102,6 +103,23 @@ def _equal_times(total: int, costs: Sequence[tuple[float, float]], floor: int) -
         if not below or len(pinned | below) == len(costs):
             return [floor if r in pinned else max((time - f) / p, floor) for r, (f, p) in enumerate(costs)]
         pinned |= below
+
+
+def paces(now: Sequence[Timing], tolerance: float = TOLERANCE) -> list[float]:
+    """Under a method that averages models every few steps, with no collective in between: the share of the steps
+    each rank trains, so that a slow rank's steps take no longer, together, than the others'. A rank slower than the
+    median one trains the median's compute seconds a step over its own (the rest: every step), none below
+    :data:`MIN_SHARE`; all train every step while the slowest is within `tolerance` of the fastest, or what pacing
+    could save is under :data:`MIN_GAIN` of a step. Unlike a share of the batch, a share of the steps leaves
+    nothing a step costs whatever its batch (docs/measurements.md#a-slow-rank-under-diloco)."""
+    n = len(now)
+    if any(t.forward_s <= 0 or t.batch <= 0 for t in now):
+        return [1.0] * n
+    took = [t.optimizer_s + PASSES * t.forward_s for t in now]
+    typical = statistics.median(took)
+    if max(took) < tolerance * min(took) or max(took) - typical < MIN_GAIN * max(t.step_s for t in now):
+        return [1.0] * n
+    return [min(1.0, max(MIN_SHARE, typical / t)) for t in took]
 
 
 def loss_weight(batches: Sequence[int], rank: int) -> float:

@@ -187,6 +187,11 @@ class Trainer:
         # equal shares only (docs/measurements.md#shares-of-the-batch).
         averages_models = registry.method(self.train_cfg).after_step is not None
         self.balancing = train.balance and self.strategy == "ddp" and self.rt.world_size > 1 and not averages_models
+        # Under those that average models, a slow rank trains only some of the steps instead (shares.paces).
+        self.pacing = train.balance and self.strategy == "ddp" and self.rt.world_size > 1 and self.comm.paced
+        self.timing = self.balancing or self.pacing
+        """Whether the ranks time their steps (shares of the batch, or of the steps)."""
+        self.paces = [1.0] * self.rt.world_size
         self.even = (self.sampler, self.resumable, self.train_loader)
         self.forward_s = 0.0
         self.timed: list[tuple[float, float]] = []
@@ -285,14 +290,18 @@ class Trainer:
         start = time.perf_counter()
         self.scaler.step(self.optim)
         self.scaler.update()
-        if self.balancing:  # timing waits for the GPU: only where shares use it
+        if self.timing:  # timing waits for the GPU: only where shares use it
             self.timed.append((self.forward_s, self._seconds_since(start)))
         self.comm.after_step(self.model)
         return total
 
+    def _skip(self) -> None:
+        """A step this rank does not train (shares.paces): only what the method counts each step."""
+        self.comm.after_step(self.model)
+
     def _timed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The model's output, with the seconds it took counted in this rank's timing (shares) when balancing."""
-        if not self.balancing:
+        """The model's output, with the seconds it took counted in this rank's timing (shares) when timed."""
+        if not self.timing:
             return self.model(x)
         start = time.perf_counter()
         out = self.model(x)
@@ -343,7 +352,8 @@ class Trainer:
             why = self.thermal.check(step)
             if why is not None:
                 self.note(why)
-            loss = self.train_step(x, y, lr)
+            trains = self.comm.trains(self.rt.rank)
+            loss = self.train_step(x, y, lr) if trains else self._skip()
             comm_bytes, comm_s = self.comm.counter.take()
             # Wall time between steps, data loading included; the global batch from this rank's share of it.
             now, samples = time.perf_counter(), len(x) * sum(self.batches) // self.batches[self.rt.rank]
@@ -358,8 +368,11 @@ class Trainer:
                 acc = self.thermal.accumulation
                 row |= {"accumulation": acc, "micro_batch": math.ceil(len(x) / acc), "batch": samples}
                 row |= {"temperature_c": self.thermal.last_c, "batch_event": self.event, **self.comm.fields()}
+                if self.pacing:
+                    row["trained"] = trains
                 log.write({**row, "samples_per_s": samples / seconds})
-            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)  # the bar redraws at its own pace
+            if loss is not None:
+                bar.set_postfix(loss=f"{loss:.3f}", refresh=False)  # the bar redraws at its own pace
             self.checkpointer.poll()
             # Under a method that averages models every few steps, the save waits for the next averaging (streaming,
             # whose averagings never make the models one, settles them now): saved before it, the checkpoint would be
@@ -407,7 +420,7 @@ class Trainer:
     def _own_timing(self) -> torch.Tensor | None:
         """With train.balance: zeros but for this rank's shares.Timing since the last call (the median step's: a
         step the scheduler cut into is not the rank's speed), which the sum over the ranks makes every rank's."""
-        if not self.balancing:
+        if not self.timing:
             return None
         timing = torch.zeros(4 * self.rt.world_size, dtype=torch.float64, device=self.rt.device)
         if self.timed and self.walls:
@@ -425,6 +438,17 @@ class Trainer:
             took = ", ".join(f"{1000 * (shares.PASSES * t.forward_s + t.optimizer_s):.0f}" for t in self.timings)
             tqdm.write(f"shares: batches {self.batches} -> {new} (compute ms a step per rank: {took})", sys.stderr)
         self.batches, self.last_timings = new, self.timings
+
+    def _repace(self) -> None:
+        """Shares of the next epoch's steps from the timings the last validation gathered (shares.paces); rank 0
+        says when they change."""
+        new = shares.paces(self.timings)
+        if new != self.paces and self.rt.is_main:
+            took = ", ".join(f"{1000 * (shares.PASSES * t.forward_s + t.optimizer_s):.0f}" for t in self.timings)
+            paces = ", ".join(f"{p:.2f}" for p in new)
+            tqdm.write(f"paces: steps trained per rank {paces} (compute ms a step per rank: {took})", sys.stderr)
+        self.paces = new
+        self.comm.pace(new)
 
     def _match_forwards(self, net: torch.nn.Module, done: int) -> None:
         """FSDP forwards gather parameters collectively: run throwaway ones until every rank has run as many."""
@@ -452,11 +476,15 @@ class Trainer:
         accuracy, val_loss, self.modes = self.evaluate()
         if self.balancing:
             self._rebalance()
+        if self.pacing:
+            self._repace()
         if log is not None:
             row = {"epoch": epoch, "epochs": self.plan.epochs, "val_accuracy": accuracy, "val_loss": val_loss}
-            if self.balancing:
-                row["forward_s"] = [t.forward_s for t in self.timings]
+            if self.timing:
+                row |= {"forward_s": [t.forward_s for t in self.timings]}
                 row |= {"optimizer_s": [t.optimizer_s for t in self.timings], "next_batches": self.batches}
+            if self.pacing:
+                row["next_paces"] = self.paces
             row["comm_bytes"] = settled
             row["bn_images"] = self.bn_images
             if self.modes is not None:

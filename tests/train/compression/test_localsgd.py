@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -66,3 +67,45 @@ def test_averagings_are_spread_over_each_epoch_and_the_last_is_its_last_step() -
     between = localsgd.Schedule(8, 0, Epoch(23))
     due_steps(between, 9)
     assert not between.in_sync and between.settle_due()  # mid-epoch the models differ: a settle is needed
+
+
+def paced_averaging(root: Path) -> None:
+    """On each rank, from equal parameters: rank 1 at half pace; for 4 steps each rank adds its own move at each step
+    it trains (rank 0: 1, rank 1: 10), and the fp32 averager averages at the epoch's end."""
+    runtime.init(validate({}, "test").train)
+    try:
+        rank = dist.get_rank()
+        schedule = localsgd.Schedule(4, 0, Epoch(4))
+        schedule.pace([1.0, 0.5])
+        averager = localsgd.Fp32Averager(schedule)
+        params, trained = [torch.zeros(3)], []
+        for step in range(4):
+            if schedule.trains(rank):
+                trained.append(step)
+                params[0].add_(1.0 if rank == 0 else 10.0)
+            averager.average(params)
+        out = {"params": params[0].tolist(), "trained": trained, "weights": schedule.weights}
+        (root / f"rank{rank}.json").write_text(json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_paced_rank_trains_its_share_of_the_steps_and_counts_for_that_share(tmp_path: Path) -> None:
+    """Rank 1 trains steps 1 and 3 of 4; the average weighs the ranks 4 : 2 by the steps they trained
+    ((4/3 · 4 + 2/3 · 20) / 2 = 9.33, where the plain mean would be 12)."""
+    ranks = rank_results(paced_averaging, tmp_path)
+    assert [r["trained"] for r in ranks] == [[0, 1, 2, 3], [1, 3]]
+    assert ranks[0]["weights"] == ranks[1]["weights"] == pytest.approx([4 / 3, 2 / 3])
+    for r in ranks:
+        assert r["params"] == pytest.approx([(4 / 3 * 4 + 2 / 3 * 20) / 2] * 3)
+
+
+def test_a_paced_rank_trains_every_step_of_the_warm_up() -> None:
+    """In warm-up DDP all-reduces every step's gradients: no rank may skip one."""
+    schedule = localsgd.Schedule(4, 4, Epoch(8))
+    schedule.pace([1.0, 0.25])
+    trains = []
+    for _ in range(8):
+        trains.append(schedule.trains(1))
+        schedule.tick()
+    assert trains == [True] * 4 + [False, False, False, True]

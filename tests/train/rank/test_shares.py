@@ -94,9 +94,23 @@ def test_each_rank_cuts_its_share_of_one_permutation() -> None:
     assert set(counts) == set(range(10)) and set(counts.values()) == {2, 3}
 
 
-def train_with_one_rank_held(root: Path, procs: str) -> None:
+def test_a_rank_slower_than_the_median_trains_that_share_of_the_steps() -> None:
+    """Under the methods that average models: a rank twice the median's compute trains every other step, one four
+    times slower no fewer than MIN_SHARE of them; within the tolerance, or where a step is mostly the link's wait,
+    every rank trains every step."""
+    half = [shares.Timing(16, f, 0.01, step_s=0.1) for f in (0.03, 0.03, 0.03, 0.065)]
+    assert shares.paces(half) == pytest.approx([1.0, 1.0, 1.0, 0.1 / 0.205])
+    assert shares.paces([replace(t, forward_s=0.3) for t in half[:3]] + half[3:])[3] == 1.0  # the others slower
+    stalled = [*half[:3], replace(half[3], forward_s=1.0)]
+    assert shares.paces(stalled)[3] == shares.MIN_SHARE
+    assert shares.paces([shares.Timing(16, f, 0.01, step_s=0.1) for f in (0.03, 0.04)]) == [1.0, 1.0]
+    waiting = [replace(t, step_s=5.0) for t in half]  # the link's seconds dwarf what pacing would save
+    assert shares.paces(waiting) == [1.0] * 4
+
+
+def train_with_one_rank_held(root: Path, procs: str, compression: str) -> None:
     """On each rank: 3 epochs of resnet18 at 32 px on the digits; rank 1 first moves itself into the held cgroup."""
-    train = {"epochs": 3, "batch_size": 64}
+    train = {"epochs": 3, "batch_size": 64, "compression": compression}
     cfg = validate({"model": {"name": "resnet18"}, "data": {"image_size": 32}, "train": train}, "test")
     rt = runtime.init(cfg.train)
     try:
@@ -112,7 +126,7 @@ def train_with_one_rank_held(root: Path, procs: str) -> None:
 @pytest.mark.skipif(cgroup.unavailable() is not None, reason=f"CPU quota: {cgroup.unavailable()}")
 def test_a_rank_held_to_a_fraction_of_a_core_gets_a_smaller_share(tmp_path: Path) -> None:
     with cgroup.cpu_quota(0.25) as procs:
-        run_ranks(train_with_one_rank_held, tmp_path, str(procs))
+        run_ranks(train_with_one_rank_held, tmp_path, str(procs), "none")
     lines = [json.loads(x) for x in (tmp_path / layout.METRICS).read_text().splitlines()]
     epochs = [r for r in lines if "val_accuracy" in r]
     fast, slow = epochs[0]["forward_s"]
@@ -124,6 +138,24 @@ def test_a_rank_held_to_a_fraction_of_a_core_gets_a_smaller_share(tmp_path: Path
         steps.setdefault(r["epoch"], []).append(r)
     assert len({len(s) for s in steps.values()}) == 1  # every epoch the same number of steps, shares or not
     assert all(r["batch"] == 64 for r in steps[1])  # the global batch is kept
+    assert epochs[-1]["val_accuracy"] >= 0.8
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(cgroup.unavailable() is not None, reason=f"CPU quota: {cgroup.unavailable()}")
+def test_under_diloco_a_rank_held_to_a_fraction_of_a_core_trains_a_share_of_the_steps(tmp_path: Path) -> None:
+    """The same held rank under `diloco`: its share of the batch stays whole, it trains fewer of the steps (no
+    collective waits for a step it skips: the run ends), and the run still learns."""
+    with cgroup.cpu_quota(0.25) as procs:
+        run_ranks(train_with_one_rank_held, tmp_path, str(procs), "diloco")
+    lines = [json.loads(x) for x in (tmp_path / layout.METRICS).read_text().splitlines()]
+    epochs = [r for r in lines if "val_accuracy" in r]
+    fast, slow = epochs[0]["forward_s"]
+    assert slow > 1.5 * fast
+    assert all(e["next_batches"] == [32, 32] for e in epochs)
+    fast_pace, slow_pace = epochs[0]["next_paces"]
+    assert fast_pace == 1.0 and shares.MIN_SHARE <= slow_pace < 0.75
+    assert all(r["trained"] for r in lines if "loss" in r)  # rank 0, the fast one, logs: it trains every step
     assert epochs[-1]["val_accuracy"] >= 0.8
 
 
