@@ -1,6 +1,6 @@
 """One rank at half speed: does it set every step's pace? (issue #31, "slow boards don't set the pace").
 
-    python benchmarks/train_slow_rank.py [--ranks 4] [--epochs 4] [--model mobilenet_v3_small]
+    python benchmarks/train_slow_rank.py [--ranks 4] [--epochs 4] [--model mobilenet_v3_small] [--compression diloco]
 
 The digits at 32 px with `--model` (mobilenet_v3_small: most of its step is per image; small_cnn's is nearly all
 per-step overhead, which a share cannot move), DDP, `none`, global batch 64, on `--ranks` gloo ranks of this host
@@ -20,7 +20,10 @@ last epoch's timings; the step times are against `equal`'s of the same run of th
 `half, balanced` within 1.2x of `equal`, accuracy within a point. The other ranks get the CPU the held one leaves,
 so the host keeps its compute: a perfect balance would be 1.0x; what each step costs the held rank whatever its
 batch (its optimizer step, the gradients' copies) is the floor.
-Writes benchmarks/results/train_slow_rank.json and prints a table. Root only (the cgroup).
+With `--compression diloco` the same three runs train DiLoCo, whose ranks meet only at its outer steps: the last
+is `half, paced` (the held rank trains a share of the steps, shares.paces), and the step time is the mean step's,
+outer steps and the waits at them included. Writes benchmarks/results/train_slow_rank.json (or
+train_slow_rank_<compression>.json) and prints a table. Root only (the cgroup).
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ def train(run_dir: Path, args: argparse.Namespace, balance: bool, procs: Path | 
     cmd += ["--nnodes", str(NODES), "--nproc-per-node", str(ranks // NODES)]
     cmd += ["--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--local-addr", "127.0.0.1"]
     settings = {"model.name": f'"{args.model}"', "data.image_size": args.image_size, "train.epochs": args.epochs}
+    settings["train.compression"] = f'"{args.compression}"'
     for key, value in {**settings, "train.balance": str(balance).lower()}.items():
         cmd += ["--set", f"{key}={value}"]
     stop = threading.Event()
@@ -107,8 +111,10 @@ def train(run_dir: Path, args: argparse.Namespace, balance: bool, procs: Path | 
     epochs_done = [r for r in lines if "val_accuracy" in r]
     return {
         "median_s_per_step": statistics.median(steps),
+        "mean_s_per_step": statistics.mean(steps),
         "val_accuracy": epochs_done[-1]["val_accuracy"],
         "batches": epochs_done[-1].get("next_batches"),
+        "paces": epochs_done[-1].get("next_paces"),
         "forward_s": epochs_done[-1].get("forward_s"),
         "optimizer_s": epochs_done[-1].get("optimizer_s"),
     }
@@ -121,13 +127,18 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--model", default="mobilenet_v3_small", help="(default mobilenet_v3_small: see above)")
     parser.add_argument("--image-size", type=int, default=32)
+    parser.add_argument("--compression", default="none", help="none (shares of the batch) or diloco (of the steps)")
     args = parser.parse_args()
+    averages = args.compression in ("diloco", "localsgd")
     share = (os.cpu_count() or 1) / args.ranks
     result: dict[str, Any] = {"ranks": args.ranks, "epochs": args.epochs, "cpus": os.cpu_count()}
-    result |= {"model": args.model, "image_size": args.image_size}
+    result |= {"model": args.model, "image_size": args.image_size, "compression": args.compression}
     result |= {"held_rank": args.ranks - 1, "held_to_cores": share / 2, "rows": []}
+    # The ranks of a method that averages models wait for each other only at its averagings: the mean step has them.
+    result["measure"] = measure = "mean_s_per_step" if averages else "median_s_per_step"
     with tempfile.TemporaryDirectory() as tmp:
-        cases = (("equal", True, False), ("half, equal shares", False, True), ("half, balanced", True, True))
+        unequal = "half, paced" if averages else "half, balanced"
+        cases = (("equal", True, False), ("half, equal shares", False, True), (unequal, True, True))
         for name, balance, held in cases:
             print(f"[{time.strftime('%H:%M:%S')}] {name} ...", file=sys.stderr, flush=True)
             run_dir = Path(tmp) / name.replace(", ", "-").replace(" ", "_")
@@ -137,10 +148,11 @@ def main() -> None:
             print(f"  {json.dumps(row)}", file=sys.stderr, flush=True)
     base = result["rows"][0]
     for row in result["rows"]:
-        row["vs_equal"] = row["median_s_per_step"] / base["median_s_per_step"]
+        row["vs_equal"] = row[measure] / base[measure]
         row["accuracy_delta"] = row["val_accuracy"] - base["val_accuracy"]
     result["load_average_1m"] = os.getloadavg()[0]
-    RESULT.write_text(json.dumps(result, indent=2) + "\n")
+    out = RESULT if args.compression == "none" else RESULT.with_name(f"{RESULT.stem}_{args.compression}.json")
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
 
 

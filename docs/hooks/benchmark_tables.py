@@ -193,21 +193,33 @@ def train_gpu(data: dict[str, Any], rerun: dict[str, Any]) -> str:
 
 
 def train_slow_rank(data: dict[str, Any]) -> str:
-    """One rank held to half speed: median s/step after the first epoch against the all-equal run's, final accuracy
-    and its difference, and the batches the ranks ended with."""
+    """One rank held to half speed: s/step after the first epoch (the median, or the mean where the ranks wait for
+    each other only at averagings) against the all-equal run's, final accuracy and its difference, and the shares
+    the ranks ended with (of the batch, or of the steps)."""
+    measure = data.get("measure", "median_s_per_step")
     rows = [
         [
             r["case"],
-            f"{r['median_s_per_step']:.3f}",
+            f"{r[measure]:.3f}",
             f"{r['vs_equal']:.2f}x",
             f"{r['val_accuracy']:.4f}",
             signed(r["accuracy_delta"]),
-            "/".join(map(str, r["batches"])) if r.get("batches") else "equal",
+            _shares(r),
         ]
         for r in data["rows"]
     ]
-    head = ["case", "s/step", "vs equal", "val accuracy", "vs equal", "batches at the end"]
+    step = "mean s/step" if measure == "mean_s_per_step" else "s/step"
+    head = [f"case ({data.get('compression', 'none')})", step, "vs equal", "val accuracy", "vs equal", "at the end"]
     return table(head, rows, right=(1, 2, 3, 4))
+
+
+def _shares(row: dict[str, Any]) -> str:
+    """The shares a slow-rank run ended with: steps trained (paces) where they are not all 1, else the batches."""
+    if row.get("paces") and any(p < 1 for p in row["paces"]):
+        return "steps " + "/".join(f"{p:.2f}" for p in row["paces"])
+    if row.get("batches") and len(set(row["batches"])) > 1:
+        return "batches " + "/".join(map(str, row["batches"]))
+    return "equal"
 
 
 def train_memory(data: dict[str, Any]) -> str:
@@ -232,5 +244,6 @@ TABLES: dict[str, Callable[[], str]] = {
     "train_gpu": lambda: train_gpu(load("train_gpu"), load("train_gpu_fsdp")),
     "train_memory": lambda: train_memory(load("train_memory")),
     "train_slow_rank": lambda: train_slow_rank(load("train_slow_rank")),
+    "train_slow_rank_diloco": lambda: train_slow_rank(load("train_slow_rank_diloco")),
 }
 """Every table the page may name, by results file."""
