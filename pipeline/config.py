@@ -238,11 +238,13 @@ class TrainConfig(Section):
     every 5th measurement. A switch needs the median of the last 3 link samples to favour another method by 20% at
     2 measurements in a row."""
     balance: bool = True
-    """Size each rank's share of the global batch at every epoch's end from its measured steps (forward passes and
-    optimizer step), its loss weighted by its share so that the averaged gradient is still the whole batch's: a slow
-    or throttled device then does not set every step's pace. Shares stay equal while the ranks' steps are within
-    1.5x of each other or the gain is under a tenth of a step (pipeline/train/rank/shares.py). DDP with a gradient
-    method only: FSDP's ranks gather every layer in step, and `localsgd` and `diloco` average models as equals."""
+    """Keep a slow or throttled device from setting every step's pace, from the steps each rank measured over the
+    last epoch (forward passes and optimizer step). Under DDP with a gradient method, each rank's share of the global
+    batch is sized to them, its loss weighted by its share so that the averaged gradient is still the whole batch's.
+    Under `localsgd` and `diloco`, whose ranks meet only at averagings, a rank slower than the median trains that
+    share of the steps, its change weighed by the steps it trained. Either stays even while the ranks' steps are
+    within 1.5x of each other or the gain is under a tenth of a step (pipeline/train/rank/shares.py). Not under FSDP,
+    whose ranks gather every layer in step."""
     memory_budget_mb: int | None = Field(None, ge=1)
     """Memory one rank may use, for `strategy = "auto"`; unset: free CUDA memory, or 80% of the host's available
     memory split between the node's ranks. The smallest over all ranks counts."""

@@ -210,6 +210,9 @@ class Method:
     `auto` switches."""
     auto: bool = False
     """Whether `auto` may switch to it at any step (a gradient hook; not local SGD, which averages models)."""
+    exact: bool = False
+    """Whether the average it gives is the gradient's own, up to a cast to 16 bits: an epoch learns what plain
+    all-reduce's does. `auto` weighs DiLoCo against these alone (:mod:`.autoplan`)."""
     after_step: AveragerFactory | None = None
     """What runs after each optimizer step (local SGD's averaging)."""
     epochs_factor: int = 1
@@ -347,6 +350,7 @@ def cast(
         fsdp=True,
         reduce_dtype=dtype,
         payload_bytes=lambda params, knobs: dtype.itemsize * sum(p.numel() for p in params),
+        exact=True,
         **facts,
     )
 

@@ -12,4 +12,5 @@ METHOD = Method(
     fsdp=True,
     payload_bytes=lambda params, knobs: 4 * sum(p.numel() for p in params),
     auto=True,
+    exact=True,
 )

@@ -34,4 +34,5 @@ METHOD = Method(
     blocking=True,
     payload_bytes=lambda params, knobs: 4 * sum(p.numel() for p in params),
     rounds=2,
+    exact=True,
 )

@@ -155,7 +155,8 @@ def background(setting: bool | None, device: torch.device, across_nodes: bool) -
     On CPU ranks that use every core of one node, a writer thread takes turns with training. Measured with 2 ranks
     on 2 cores, whole runs took longer in the background: small_cnn 0.82-0.95 s against 0.72-0.79 s, resnet18
     10.4-10.8 s against 9.9 s. Across nodes a save waits on the link for its dozen collectives instead
-    (docs/measurements.md#background-checkpoints-on-cpu).
+    (docs/measurements.md#background-checkpoints-on-cpu); a save of each node's own (:class:`Checkpointer`'s
+    `per_node`) has none, and the caller does not count it as across nodes.
     """
     return (device.type == "cuda" or across_nodes) if setting is None else setting
 

@@ -11,6 +11,8 @@ permutation of the split per epoch, the same on every rank, cut at its share (:c
 
 What a share cannot remove is what every step costs whatever its batch (the optimizer over every parameter, the
 gradients' copies): a rank slow at that sets a floor under the step (docs/measurements.md#shares-of-the-batch).
+Under the methods that average models every few steps, with no collective in between, a slow rank trains a share of
+the steps instead (:func:`paces`), which leaves no such floor.
 Shares stay equal while the ranks' predicted steps at equal shares are within :data:`TOLERANCE` of each other: on a
 shared CPU they move by 10-20% from one epoch to the next, and following that would only reshuffle the data (and
 make a seeded run's data order depend on the machine's load).
@@ -108,7 +110,8 @@ def _equal_times(total: int, costs: Sequence[tuple[float, float]], floor: int) -
 def paces(now: Sequence[Timing], tolerance: float = TOLERANCE) -> list[float]:
     """Under a method that averages models every few steps, with no collective in between: the share of the steps
     each rank trains, so that a slow rank's steps take no longer, together, than the others'. A rank slower than the
-    median one trains the median's compute seconds a step over its own (the rest: every step), none below
+    median one by more than a tenth trains the median's compute seconds a step over its own (the rest: every step),
+    none below
     :data:`MIN_SHARE`; all train every step while the slowest is within `tolerance` of the fastest, or what pacing
     could save is under :data:`MIN_GAIN` of a step. Unlike a share of the batch, a share of the steps leaves
     nothing a step costs whatever its batch (docs/measurements.md#a-slow-rank-under-diloco)."""
@@ -119,7 +122,8 @@ def paces(now: Sequence[Timing], tolerance: float = TOLERANCE) -> list[float]:
     typical = statistics.median(took)
     if max(took) < tolerance * min(took) or max(took) - typical < MIN_GAIN * max(t.step_s for t in now):
         return [1.0] * n
-    return [min(1.0, max(MIN_SHARE, typical / t)) for t in took]
+    # Within a tenth of the median is the scheduler's noise, not a slow board: those train every step.
+    return [max(MIN_SHARE, typical / t) if t > (1 + MIN_GAIN) * typical else 1.0 for t in took]
 
 
 def loss_weight(batches: Sequence[int], rank: int) -> float:

@@ -175,10 +175,11 @@ class Trainer:
         self.frozen_steps = self.cfg.model.freeze_epochs * self.steps_per_epoch
         self.bn_images = 0
         self.modes: batchnorm.ModeCheck | None = None
-        across_nodes = self.rt.world_size > int(os.environ.get("LOCAL_WORLD_SIZE", self.rt.world_size))
-        background = checkpoint.background(train.checkpoint_async, self.rt.device, across_nodes)
-        # Over SSH each device's disk is its own: under DDP each writes a whole checkpoint (pipeline.train.cluster).
+        # Over SSH each device's disk is its own: under DDP each writes a whole checkpoint (pipeline.train.cluster),
+        # with no collective across the link to hide in the background.
         per_node = os.environ.get(checkpoint.PER_NODE_ENV) == "1" and self.strategy == "ddp"
+        across = self.rt.world_size > int(os.environ.get("LOCAL_WORLD_SIZE", self.rt.world_size)) and not per_node
+        background = checkpoint.background(train.checkpoint_async, self.rt.device, across)
         self.checkpointer = checkpoint.Checkpointer(self.ckpt_root, train.keep_checkpoints, background, per_node)
         self.samples = 0
         self.train_seconds = 0.0
