@@ -111,10 +111,9 @@ def paces(now: Sequence[Timing], tolerance: float = TOLERANCE) -> list[float]:
     """Under a method that averages models every few steps, with no collective in between: the share of the steps
     each rank trains, so that a slow rank's steps take no longer, together, than the others'. A rank slower than the
     median one by more than a tenth trains the median's compute seconds a step over its own (the rest: every step),
-    none below
-    :data:`MIN_SHARE`; all train every step while the slowest is within `tolerance` of the fastest, or what pacing
-    could save is under :data:`MIN_GAIN` of a step. Unlike a share of the batch, a share of the steps leaves
-    nothing a step costs whatever its batch (docs/measurements.md#a-slow-rank-under-diloco)."""
+    none below :data:`MIN_SHARE`; all train every step while the slowest is within `tolerance` of the fastest, or
+    what pacing could save is under :data:`MIN_GAIN` of a step. Unlike a share of the batch, a share of the steps
+    leaves nothing a step costs whatever its batch (docs/measurements.md#a-slow-rank-under-diloco)."""
     n = len(now)
     if any(t.forward_s <= 0 or t.batch <= 0 for t in now):
         return [1.0] * n

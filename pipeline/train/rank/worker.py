@@ -482,7 +482,7 @@ class Trainer:
         if log is not None:
             row = {"epoch": epoch, "epochs": self.plan.epochs, "val_accuracy": accuracy, "val_loss": val_loss}
             if self.timing:
-                row |= {"forward_s": [t.forward_s for t in self.timings]}
+                row["forward_s"] = [t.forward_s for t in self.timings]
                 row |= {"optimizer_s": [t.optimizer_s for t in self.timings], "next_batches": self.batches}
             if self.pacing:
                 row["next_paces"] = self.paces
