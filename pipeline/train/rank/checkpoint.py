@@ -140,6 +140,18 @@ def _state(model: nn.Module, optim: Optimizer, outer: dict[str, torch.Tensor] | 
     return {"model": model_sd, "optim": optim_sd} | ({"outer": outer} if outer else {})
 
 
+def node_saves_work() -> bool:
+    """Whether this torch's DCP can save on a group whose first rank is not global rank 0 (`node_group`). torch 2.5
+    hands the group's rank of its coordinator to `gather_object`, which takes a global one, and fails (pytorch/pytorch
+    #141825); later versions keep the coordinator's global rank (`_DistWrapper.global_coordinator_rank`)."""
+    try:
+        from torch.distributed.checkpoint.utils import _DistWrapper
+
+        return hasattr(_DistWrapper(None, False, 0), "global_coordinator_rank")
+    except Exception:  # a private class: any change to it means the old, collective save
+        return False
+
+
 def node_group() -> dist.ProcessGroup:
     """A gloo group of this node's ranks (torchrun's `GROUP_RANK`); every rank calls it, once. Each rank learns the
     others' nodes from one all-gather; only a node's own ranks then meet to make its group."""

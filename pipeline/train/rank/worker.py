@@ -176,8 +176,12 @@ class Trainer:
         self.bn_images = 0
         self.modes: batchnorm.ModeCheck | None = None
         # Over SSH each device's disk is its own: under DDP each writes a whole checkpoint (pipeline.train.cluster),
-        # with no collective across the link to hide in the background.
+        # with no collective across the link to hide in the background; where every device's torch can.
         per_node = os.environ.get(checkpoint.PER_NODE_ENV) == "1" and self.strategy == "ddp"
+        if per_node:
+            works = torch.tensor([int(checkpoint.node_saves_work())], device=self.rt.device)
+            dist.all_reduce(works, op=dist.ReduceOp.MIN)  # a mixed fleet saves alike, or its collectives part ways
+            per_node = bool(works.item())
         across = self.rt.world_size > int(os.environ.get("LOCAL_WORLD_SIZE", self.rt.world_size)) and not per_node
         background = checkpoint.background(train.checkpoint_async, self.rt.device, across)
         self.checkpointer = checkpoint.Checkpointer(self.ckpt_root, train.keep_checkpoints, background, per_node)
