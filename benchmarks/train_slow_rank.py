@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT / "docs" / "hooks"))  # benchmark_tables: the table 
 
 from benchmark_tables import train_slow_rank as table  # noqa: E402
 from pipeline import layout  # noqa: E402
+from pipeline.train.compression import registry  # noqa: E402
 from tests.harness.cgroup import cpu_quota  # noqa: E402
 from tests.train.ranks import free_port  # noqa: E402
 
@@ -129,7 +130,7 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--compression", default="none", help="none (shares of the batch) or diloco (of the steps)")
     args = parser.parse_args()
-    averages = args.compression in ("diloco", "localsgd")
+    averages = registry.METHODS[args.compression].after_step is not None
     share = (os.cpu_count() or 1) / args.ranks
     result: dict[str, Any] = {"ranks": args.ranks, "epochs": args.epochs, "cpus": os.cpu_count()}
     result |= {"model": args.model, "image_size": args.image_size, "compression": args.compression}

@@ -152,6 +152,17 @@ def node_saves_work() -> bool:
         return False
 
 
+def per_node(strategy: str, device: torch.device) -> bool:
+    """Whether each node saves a whole checkpoint of its own (:class:`Checkpointer`'s `per_node`): in cluster training
+    over SSH (:data:`PER_NODE_ENV`), under DDP, and where every rank's torch can (:func:`node_saves_work`, agreed by
+    an all-reduce: a mixed fleet saves alike, or its collectives part ways). Every rank calls it."""
+    if os.environ.get(PER_NODE_ENV) != "1" or strategy != "ddp":
+        return False
+    works = torch.tensor([int(node_saves_work())], device=device)
+    dist.all_reduce(works, op=dist.ReduceOp.MIN)
+    return bool(works.item())
+
+
 def node_group() -> dist.ProcessGroup:
     """A gloo group of this node's ranks (torchrun's `GROUP_RANK`); every rank calls it, once. Each rank learns the
     others' nodes from one all-gather; only a node's own ranks then meet to make its group."""

@@ -175,13 +175,8 @@ class Trainer:
         self.frozen_steps = self.cfg.model.freeze_epochs * self.steps_per_epoch
         self.bn_images = 0
         self.modes: batchnorm.ModeCheck | None = None
-        # Over SSH each device's disk is its own: under DDP each writes a whole checkpoint (pipeline.train.cluster),
-        # with no collective across the link to hide in the background; where every device's torch can.
-        per_node = os.environ.get(checkpoint.PER_NODE_ENV) == "1" and self.strategy == "ddp"
-        if per_node:
-            works = torch.tensor([int(checkpoint.node_saves_work())], device=self.rt.device)
-            dist.all_reduce(works, op=dist.ReduceOp.MIN)  # a mixed fleet saves alike, or its collectives part ways
-            per_node = bool(works.item())
+        # A save of each device's own has no collective across the link to hide in the background.
+        per_node = checkpoint.per_node(self.strategy, self.rt.device)
         across = self.rt.world_size > int(os.environ.get("LOCAL_WORLD_SIZE", self.rt.world_size)) and not per_node
         background = checkpoint.background(train.checkpoint_async, self.rt.device, across)
         self.checkpointer = checkpoint.Checkpointer(self.ckpt_root, train.keep_checkpoints, background, per_node)
