@@ -21,8 +21,8 @@ What it measures (issues #14 and #31), with `pipeline train --inventory` as a us
   device's log every 0.1 s, so each is up to 0.1 s late. The plot beside the JSON (same name, .png) draws each
   method's accuracy against the seconds and against the collective bytes;
 - a node lost mid-run (`--kill-method`, `diloco`; `train.devices = "3:4"`, the last stand-in killed whole, as
-  tests/train/cluster/test_cluster_elastic.py does, at step 26 (`--kill-at-step`), 4 steps past the checkpoint at the
-  end of epoch 1 and 2 past an outer step): wall seconds from the kill to the controller's next round and to the
+  tests/train/cluster/test_cluster_elastic.py does, at step 44 (`--kill-at-step`), late in the second of its 23-step
+  epochs, 5 steps past an outer step, 21 past the epoch's start): wall seconds from the kill to the controller's next round and to the
   next training step written after it (a device's metrics.jsonl read every 0.1 s), the steps lost (summary.json's
   event), and the final accuracy against the same method's undisturbed run;
 - what starting a run sends: the first run (`none`, fresh devices) against the same run again (`none` once more, code
@@ -581,7 +581,7 @@ def main() -> None:
     parser.add_argument("--queue-ms", type=float, default=50.0, help="tbf queue before drops (default 50)")
     parser.add_argument("--mtu", type=int, default=65000)
     parser.add_argument("--link-seconds", type=float, default=2.0, help="of each bulk transfer of the link check")
-    parser.add_argument("--kill-at-step", type=int, default=26, help="node-loss run, quickstart: kill then (0: none)")
+    parser.add_argument("--kill-at-step", type=int, default=44, help="node-loss run, quickstart: kill then (0: none)")
     parser.add_argument("--kill-method", default="diloco", help="the node-loss run's method (default diloco)")
     parser.add_argument(
         "--set",

@@ -257,7 +257,9 @@ class TrainConfig(Section):
     """Also checkpoint every this many optimizer steps (mid-epoch): a resume continues at the same batch of the same
     epoch order, with each rank's RNG state, the optimizer and the gradient scaler restored. Under `localsgd` and
     `diloco` the save waits for the next averaging, when the ranks' models are one (up to `localsgd_period` steps
-    more). Unset: only at each epoch's end."""
+    more). Unset: at each epoch's end; in a cluster job (`inventory`) under `localsgd` or `diloco` where each device
+    saves a checkpoint of its own (DDP, torch newer than 2.5 on every device), also after every averaging, each a
+    write to the device's own disk: a device lost for good costs the others at most the outer step in flight."""
     max_restarts: int = Field(0, ge=0, le=1000)
     """torchrun `--max-restarts`: when a rank dies, restart the whole group this many times; each restart resumes
     from `latest` (set `checkpoint_every_steps` to lose less than an epoch). The launcher sets

@@ -31,6 +31,11 @@ from pipeline.train.rank.store import RANKS_STORE_ENV
 
 POLL_S = 2.0
 """Seconds between the controller's looks at the devices: a new checkpoint to copy, the last step, a device back."""
+COPY_SHARE = 0.1
+"""While a round runs, the most of the time the controller's copies of new checkpoints may take: every device saves
+after each outer step in a cluster job (pipeline/train/rank/checkpoint.py), and a model's checkpoint (weights,
+optimizer, outer state) can outweigh an outer step's traffic on a weak link. The devices hold their own; the round's
+end, and a device coming back, copy the newest at once."""
 REJOIN_EVERY_S = 10.0
 """Seconds between attempts to reach a device that left."""
 TCP_RTO_MAX_S = 120
@@ -95,6 +100,8 @@ class Job:
         self.events: list[Event] = []
         self.last_step = 0
         self.rounds = 0
+        self.next_copy = 0.0
+        """Monotonic time before which a round in progress copies no checkpoint (:data:`COPY_SHARE`)."""
         self.port = 0
         self.tqdm_quiet = printer.output is not None
 
@@ -283,7 +290,7 @@ class Job:
         tried = 0.0
         while True:
             await asyncio.sleep(POLL_S)
-            await self._collect_newest(members)
+            await self._collect_newest(members, paced=not back)
             if back and self.resumed_step() > back_at:
                 return RoundEnd(joining=back)
             if self.away and not back and time.monotonic() - tried > REJOIN_EVERY_S and len(members) < self.maximum:
@@ -297,16 +304,21 @@ class Job:
         self.sent["code"] += sum(c.bytes_sent for c in checks)
         return [c for c in checks if c.status == "ready"][:room]
 
-    async def _collect_newest(self, members: list[Node]) -> None:
-        """Copy the newest checkpoint the reachable devices committed, if it is newer than the controller's."""
+    async def _collect_newest(self, members: list[Node], paced: bool = False) -> None:
+        """Copy the newest checkpoint the reachable devices committed, if it is newer than the controller's;
+        `paced`: only once the copies so far leave the link its :data:`COPY_SHARE`."""
         best = -1
         for node in members:
             with contextlib.suppress(*FAILURES):
                 step, last = await node.state()
                 best, self.last_step = max(best, step), max(self.last_step, last)
-        if best > self.resumed_step() or (best >= 0 and checkpoint.latest(self.ckpt_root) is None):
-            with contextlib.suppress(*FAILURES):
-                await self._collect(members, best)
+        newer = best > self.resumed_step() or (best >= 0 and checkpoint.latest(self.ckpt_root) is None)
+        if not newer or (paced and time.monotonic() < self.next_copy):
+            return
+        start = time.monotonic()
+        with contextlib.suppress(*FAILURES):
+            await self._collect(members, best)
+        self.next_copy = time.monotonic() + (time.monotonic() - start) * (1 / COPY_SHARE - 1)
 
     async def _collect(self, members: list[Node], step: int) -> None:
         """Copy checkpoint `step` from every device into the controller's run directory; committed once it is whole,

@@ -269,6 +269,11 @@ class Compression:
         return self.in_sync()
 
     @property
+    def averages_whole(self) -> bool:
+        """Whether the method averages models every few steps, each averaging making them one (local SGD, DiLoCo)."""
+        return self.averager is not None and self.averager.schedule.whole
+
+    @property
     def paced(self) -> bool:
         """Whether a slow rank may train only some of the steps (:class:`Paced`)."""
         return self.averager is not None and isinstance(self.averager.schedule, Paced)

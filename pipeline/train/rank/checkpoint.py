@@ -201,7 +201,7 @@ class Checkpointer:
     """
 
     def __init__(self, root: Path, keep: int, asynchronous: bool, per_node: bool = False) -> None:
-        self.root, self.keep, self.asynchronous = root, keep, asynchronous
+        self.root, self.keep, self.asynchronous, self.per_node = root, keep, asynchronous, per_node
         self.group = node_group() if per_node else dist.new_group(backend="gloo") if asynchronous else None
         # What the ranks meet on: a background save's group is the default group's ranks; a node's, its own.
         self.members = self.group if per_node else None

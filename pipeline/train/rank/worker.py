@@ -180,6 +180,10 @@ class Trainer:
         across = self.rt.world_size > int(os.environ.get("LOCAL_WORLD_SIZE", self.rt.world_size)) and not per_node
         background = checkpoint.background(train.checkpoint_async, self.rt.device, across)
         self.checkpointer = checkpoint.Checkpointer(self.ckpt_root, train.keep_checkpoints, background, per_node)
+        # Such a save is a local write: after every averaging of local SGD or DiLoCo, a device lost then costs the
+        # others at most the outer step in flight (docs/how-to/cluster.md#a-device-lost-for-good).
+        whole = per_node and self.comm.averages_whole
+        self.checkpoint_every = train.checkpoint_every_steps or (1 if whole else None)
         self.samples = 0
         self.train_seconds = 0.0
         # train.balance: shares of the batch follow the ranks' steps. DDP only (FSDP's shards gather in step), and
@@ -238,7 +242,9 @@ class Trainer:
         meta |= {"next_batch": next_batch, "scaler": self.scaler.state_dict(), "batches": self.batches}
         meta["resume_key"] = checkpoint.resume_key(self.cfg)
         meta["compression"] = self.train_cfg.compression  # what `auto` chose, kept on resuming
-        if not synced:  # DCP saves one rank's copy of replicated buffers: make them all rank 0's
+        # DCP saves one rank's copy of replicated buffers: make them all rank 0's. A device's own save holds its
+        # lead rank's (the lowest rank writes them): a broadcast would cost a round over the link.
+        if not synced and not self.checkpointer.per_node:
             strategy.sync_buffers(self.model)
         self.checkpointer.save(self.model, self.optim, meta, self.comm.outer_state(self.model))
 
@@ -343,7 +349,7 @@ class Trainer:
             dynamic_ncols=True,
         )
         last = time.perf_counter()
-        every, due = self.cfg.train.checkpoint_every_steps, False
+        every, due = self.checkpoint_every, False
         for index, (x, y) in enumerate(bar, start=skip + 1):
             lr = finetune.scheduled_lr(self.plan.lr, step, self.total_steps, self.warmup_steps)
             self.freezing = bool(self.frozen) and step < self.frozen_steps

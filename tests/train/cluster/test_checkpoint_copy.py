@@ -11,6 +11,7 @@ import os
 import posixpath
 import re
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,16 +46,19 @@ def one_device(jetson_fleet: Callable[..., JetsonFleet]) -> tuple[JetsonTarget, 
     return fleet["node-1"], load_inventory(fleet.write_inventory()).targets[0]
 
 
-def device_checkpoint(device: JetsonTarget, key: str, scratch: Path) -> str:
-    """A complete checkpoint `step-3` in the device's run directory `key`, `latest` on it; returns its device path."""
-    source = scratch / STEP
+def device_checkpoint(device: JetsonTarget, key: str, scratch: Path, step: int = 3) -> str:
+    """A complete checkpoint `step-<step>` in the device's run directory `key`, `latest` on it; returns its device
+    path."""
+    name = f"step-{step}"
+    source = scratch / name
     dcp.save({"model": {"w": torch.arange(4.0)}}, checkpoint_id=source, no_dist=True)
-    write_json(source / checkpoint.TRAINER_JSON, {"epoch": 0, "step": 3})
+    write_json(source / checkpoint.TRAINER_JSON, {"epoch": 0, "step": step})
     torch.save(torch.get_rng_state(), source / "rng-0.pt")
     ckpts = device.disk / "train/runs" / key / layout.CHECKPOINTS
-    shutil.copytree(source, ckpts / STEP)
-    (ckpts / "latest").symlink_to(STEP)
-    return f"{device.deploy_root}/train/runs/{key}/{layout.CHECKPOINTS}/{STEP}"
+    shutil.copytree(source, ckpts / name)
+    (ckpts / "latest").unlink(missing_ok=True)
+    (ckpts / "latest").symlink_to(name)
+    return f"{device.deploy_root}/train/runs/{key}/{layout.CHECKPOINTS}/{name}"
 
 
 def files_under(root: Path) -> list[str]:
@@ -115,6 +119,35 @@ def test_a_checkpoint_copied_back_is_on_disk_before_latest_moves(jetson_fleet, t
     assert files_under(job.ckpt_root / STEP) == [".metadata", "__0_0.distcp", "rng-0.pt", checkpoint.TRAINER_JSON]
     assert job.ckpt_root / STEP in durability.published(log, job.ckpt_root)  # the trace saw the copy
     assert durability.unsynced_publishes(log, job.ckpt_root) == []
+
+
+def test_while_a_round_runs_copies_leave_the_link_nine_tenths_of_the_time(jetson_fleet, tmp_path: Path):
+    """A device that saves after every outer step: the controller copies a new checkpoint while the round runs only
+    once the copies so far took at most a tenth of the time since; at the round's end (not paced), at once."""
+    device, target = one_device(jetson_fleet)
+    job = Job(
+        validate({}, "test"), tmp_path / "run", [NodeCheck(target)], upload.bundle("none", {}), tmp_path, Printer(None)
+    )
+
+    async def collect(paced: bool) -> int:
+        node = await Node.connect(NodeCheck(target), job.key, 1, LINK_TIMEOUT_S)
+        try:
+            await job._collect_newest([node], paced=paced)
+        finally:
+            await node.close()
+        return job.resumed_step()
+
+    device_checkpoint(device, job.key, tmp_path)
+    before = time.monotonic()
+    assert asyncio.run(collect(paced=True)) == 3  # the first: nothing copied yet
+    assert job.next_copy > before  # the next waits nine times as long as this copy took
+    device_checkpoint(device, job.key, tmp_path, step=5)
+    job.next_copy = time.monotonic() + 3600  # a copy that took 400 s, as a large checkpoint over 20 Mbit/s can
+    assert asyncio.run(collect(paced=True)) == 3
+    assert asyncio.run(collect(paced=False)) == 5
+    device_checkpoint(device, job.key, tmp_path, step=7)
+    job.next_copy = time.monotonic()  # as if the time had passed
+    assert asyncio.run(collect(paced=True)) == 7
 
 
 @pytest.mark.parametrize("line", ['{"step": "9"}', "{not json}", "[1, 2]", '{"step": 1e99}', "[" * 5000 + "]" * 5000])

@@ -34,10 +34,10 @@ def small_cnn_params() -> list[torch.Tensor]:
     return list(models.build_model("small_cnn", 10, 1).parameters())
 
 
-def mid_epoch_saves(method: str, root: Path, rt: runtime.Runtime) -> list[dict[str, Any]]:
-    """One epoch of `method` (12 steps) asked to checkpoint every 5 steps: each save's step, position in the epoch,
-    and this rank's parameters as they were saved."""
-    trainer = Trainer(method_config(method, 1, 128, checkpoint_every_steps=5), root / "saves", rt)
+def mid_epoch_saves(method: str, run_dir: Path, rt: runtime.Runtime, every: int | None = 5) -> list[dict[str, Any]]:
+    """One epoch of `method` (12 steps) into `run_dir`, asked to checkpoint every `every` steps: each save's step,
+    position in the epoch, and this rank's parameters as they were saved."""
+    trainer = Trainer(method_config(method, 1, 128, checkpoint_every_steps=every), run_dir, rt)
     saves, save = [], trainer.save
 
     def recording(epoch: int, step: int, next_batch: int, synced: bool = False) -> None:

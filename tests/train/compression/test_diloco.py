@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -10,10 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from pipeline import layout
 from pipeline.config import validate
 from pipeline.train.compression import diloco, localsgd
 from pipeline.train.compression.method import Epoch
-from pipeline.train.rank import runtime
+from pipeline.train.rank import checkpoint, runtime
 from tests.train.compression.helpers import mid_epoch_saves, rank_results
 
 LR, MOMENTUM = 0.7, 0.9
@@ -75,10 +77,24 @@ def every_scenario(root: Path) -> None:
     try:
         out = {"fp32": two_outer_steps(), "int8": int8_outer_steps(), "settle": settle_between_outer_steps()}
         out["resumed"] = resumed_outer_steps()
-        out["saves"] = mid_epoch_saves("diloco", root, rt)
+        out["saves"] = mid_epoch_saves("diloco", root / "saves", rt)
+        out["own"] = saves_of_a_device_of_its_own(root, rt)
         (root / f"rank{dist.get_rank()}.json").write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
+
+
+def saves_of_a_device_of_its_own(root: Path, rt: runtime.Runtime) -> dict[str, Any]:
+    """As in a cluster job over SSH, each rank a device of its own with its own run directory, and no
+    `checkpoint_every_steps`: the saves, and the steps whose outer step sent bytes (rank 0's metrics)."""
+    run_dir = root / f"device-{rt.rank}"
+    os.environ |= {checkpoint.PER_NODE_ENV: "1", "GROUP_RANK": str(rt.rank)}
+    try:
+        saves = mid_epoch_saves("diloco", run_dir, rt, every=None)
+    finally:
+        del os.environ[checkpoint.PER_NODE_ENV], os.environ["GROUP_RANK"]
+    rows = [json.loads(line) for line in (root / "device-0" / layout.METRICS).read_text().splitlines()]
+    return {"saves": saves, "sent": [r["step"] for r in rows if r.get("comm_bytes")]}
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +134,18 @@ def test_a_checkpoint_asked_for_mid_period_waits_for_the_next_outer_step(scenari
     for a, b in mid:
         # The models were one when saved (each rank trains alone between outer steps): the checkpoint is theirs.
         assert a["step"] == b["step"] and a["params"] == b["params"]
+
+
+def test_a_device_of_its_own_checkpoints_after_every_outer_step(scenarios: list[dict[str, Any]]) -> None:
+    """A device lost for good costs the others at most the outer step in flight: each device saves after every one,
+    with nothing asked, and each save is the models made one."""
+    own = [s["own"] for s in scenarios]
+    outer_steps = [step for step in own[0]["sent"] if step > 1]  # step 1 sends the first whole models
+    assert len(outer_steps) >= 2
+    for rank in own:
+        assert [s["step"] for s in rank["saves"]] == outer_steps  # the last one closes the epoch
+    for a, b in zip(own[0]["saves"], own[1]["saves"], strict=True):
+        assert a["params"] == b["params"]
 
 
 def int8_outer_steps() -> dict[str, Any]:

@@ -97,7 +97,7 @@ def every_scenario(root: Path) -> None:
     rt = runtime.init(validate({}, "test").train)
     try:
         out = {"streamed": one_streamed_step(), "resumed": resumed_after_a_settle()}
-        out["saves"] = mid_epoch_saves("streaming", root, rt)
+        out["saves"] = mid_epoch_saves("streaming", root / "saves", rt)
         (root / f"rank{dist.get_rank()}.json").write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
