@@ -9,7 +9,8 @@ numbers count, and every rank predicts, per step of the plain run, the time to a
 
 - the gradient methods that average the gradient as it is (:attr:`~.method.Method.exact`: `none`, `fp16`): compute
   plus the cheapest of their collectives (the cast left out, which favours them);
-- DiLoCo: its epochs factor times compute plus its outer step's collective spread over `localsgd_period` steps.
+- DiLoCo: its epochs factor times compute plus its outer step's collective spread over the steps between two
+  (`localsgd_period`, lined up with the epochs: an epoch of S steps has round(S / period) of them).
 
 The gradient methods that compress with a loss (`powersgd`, `topk`) learn less an epoch by an amount the prediction
 has no factor for: on the cluster benchmark's links they never reached `none`'s accuracy in its epochs, and held
@@ -35,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.train.compression import auto, diloco
+from pipeline.train.compression import auto, diloco, localsgd
 from pipeline.train.compression.method import Knobs, Method
 
 GRADIENTS = "auto"
@@ -112,7 +113,9 @@ def predict(
         cost = auto.Cost(m.name, m.payload_bytes(params, knobs), 0.0, m.rounds, m.gathers)
         predicted[m.name] = auto.predict(cost, link, compute_s, world)
     outer = auto.predict(outer_cost(params, knobs), link, 0.0, world)
-    predicted[DILOCO] = diloco.METHOD.epochs_factor * (compute_s + outer / knobs.train.localsgd_period)
+    steps = knobs.epoch.steps
+    between = steps / localsgd.averagings(steps, knobs.train.localsgd_period)
+    predicted[DILOCO] = diloco.METHOD.epochs_factor * (compute_s + outer / between)
     return predicted
 
 

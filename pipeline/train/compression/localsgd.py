@@ -48,7 +48,7 @@ class Schedule:
 
     def __init__(self, period: int, warmup_steps: int, epoch: Epoch) -> None:
         self.warmup_steps, self.step, self.done = warmup_steps, 0, epoch.done
-        count = max(1, round(epoch.steps / period))
+        count = averagings(epoch.steps, period)
         self.ends = {math.ceil((i + 1) * epoch.steps / count) for i in range(count)}
         """Steps into an epoch (1 to S) after which an averaging is due."""
         self.steps = epoch.steps
@@ -103,6 +103,11 @@ class Schedule:
         counts = [trained(start, self.step, pace) for pace in self.paces]
         self.weights = [len(counts) * c / sum(counts) for c in counts] if sum(counts) else []
         self.since = self.step
+
+
+def averagings(steps: int, period: int) -> int:
+    """Averagings in an epoch of `steps` steps about every `period` (:class:`Schedule`)."""
+    return max(1, round(steps / period))
 
 
 def trained(start: int, stop: int, pace: float) -> int:

@@ -15,8 +15,9 @@ import torch.distributed as dist
 import models
 from pipeline import layout
 from pipeline.config import validate
-from pipeline.train.compression import autoplan, registry
+from pipeline.train.compression import auto, autoplan, registry
 from pipeline.train.compression.auto import LinkSample
+from pipeline.train.compression.method import Epoch
 from pipeline.train.rank import runtime
 from pipeline.train.rank.worker import Trainer
 from tests.train.compression.helpers import method_config, rank_results
@@ -34,8 +35,8 @@ def _small_cnn() -> tuple[torch.nn.Module, list[torch.Tensor]]:
     return net, [p for p in net.parameters() if p.requires_grad]
 
 
-def _knobs(net: torch.nn.Module, **train: object) -> registry.Knobs:
-    return registry.knobs(validate({"train": {"compression": "auto", **train}}, "test").train, net, 0)
+def _knobs(net: torch.nn.Module, epoch: Epoch | None = None, **train: object) -> registry.Knobs:
+    return registry.knobs(validate({"train": {"compression": "auto", **train}}, "test").train, net, 0, epoch)
 
 
 def test_diloco_on_the_weak_link_and_the_gradient_methods_on_a_lan() -> None:
@@ -52,6 +53,16 @@ def test_diloco_on_the_weak_link_and_the_gradient_methods_on_a_lan() -> None:
     assert method == autoplan.GRADIENTS and "not 20% faster" in why
     # Compute dominates: DiLoCo's twice the epochs cost about twice the time.
     assert lan["diloco"] == pytest.approx(2 * lan["none"], rel=0.05)
+
+
+def test_diloco_spreads_its_outer_step_over_the_steps_between_two() -> None:
+    """At period 8, an epoch of 12 steps has 2 outer steps (one every 6 steps) and one of 23 has 3: each step
+    carries that share of one."""
+    net, params = _small_cnn()
+    outer = auto.predict(autoplan.outer_cost(params, _knobs(net)), WEAK, 0.0, 4)
+    for steps, between in ((8, 8), (12, 6), (23, 23 / 3)):
+        predicted = autoplan.predict(WEAK, 0.02, params, _knobs(net, Epoch(steps)), 4, CANDIDATES)
+        assert predicted["diloco"] == pytest.approx(2 * (0.02 + outer / between))
 
 
 def test_diloco_is_weighed_against_the_exact_gradient_methods_alone() -> None:
