@@ -307,32 +307,37 @@ class Job:
     async def _collect_newest(self, members: list[Node], paced: bool = False) -> None:
         """Copy the newest checkpoint the reachable devices committed, if it is newer than the controller's;
         `paced`: only once the copies so far leave the link its :data:`COPY_SHARE`."""
-        best = -1
+        latest: dict[str, int] = {}
         for node in members:
             with contextlib.suppress(*FAILURES):
-                step, last = await node.state()
-                best, self.last_step = max(best, step), max(self.last_step, last)
+                # A committed checkpoint shows its steps trained, where the log's last lines name no step.
+                latest[node.name], last = await node.state()
+                self.last_step = max(self.last_step, last, latest[node.name])
+        best = max(latest.values(), default=-1)
         newer = best > self.resumed_step() or (best >= 0 and checkpoint.latest(self.ckpt_root) is None)
         if not newer or (paced and time.monotonic() < self.next_copy):
             return
         start = time.monotonic()
         with contextlib.suppress(*FAILURES):
-            await self._collect(members, best)
+            await self._collect(members, best, {name for name, step in latest.items() if step == best})
         self.next_copy = time.monotonic() + (time.monotonic() - start) * (1 / COPY_SHARE - 1)
 
-    async def _collect(self, members: list[Node], step: int) -> None:
-        """Copy checkpoint `step` from every device into the controller's run directory; committed once it is whole,
-        else left to complete at the next look."""
+    async def _collect(self, members: list[Node], step: int, committed: set[str]) -> None:
+        """Copy checkpoint `step` from the devices into the controller's run directory, first from those that
+        `committed` it; committed here once it is whole, else left to complete at the next look."""
         name = f"step-{step}"
         if (self.ckpt_root / name / checkpoint.TRAINER_JSON).is_file():
             return
         part = self.ckpt_root / f".{name}.part"
         part.mkdir(parents=True, exist_ok=True)
-        for node in members:
+        for node in sorted(members, key=lambda n: n.name not in committed):
             # A device that just left may have held nothing the checkpoint needs (rank 0 writes every replicated
-            # tensor): whether the copy is whole decides, not whether every device answered.
+            # tensor): whether the copy is whole decides, not whether every device answered. Where each device
+            # saves its own (DDP), one that committed it holds it whole, and one that has not may be writing it
+            # still: once whole, the others add only their ranks' RNG files, each written whole before its save.
+            whole = _whole(part) and (part / checkpoint.TRAINER_JSON).is_file()
             with contextlib.suppress(*FAILURES):
-                await node.get_checkpoint(name, part)
+                await node.get_checkpoint(name, part, rng_only=whole and node.name not in committed)
         if not (part / checkpoint.TRAINER_JSON).is_file() or not _whole(part):
             return
         # Each file and `part` itself were synced as they were copied (Device.get); the rename is synced before

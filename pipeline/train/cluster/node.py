@@ -144,8 +144,9 @@ class Node:
         lines = out.stdout.splitlines()
         return _step_of(lines[0] if lines else ""), max(map(_metrics_step, lines[2:]), default=-1)
 
-    async def get_checkpoint(self, name: str, part: Path) -> None:
-        """Copy the device's files of checkpoint `name` that `part` (the controller's copy in progress) lacks.
+    async def get_checkpoint(self, name: str, part: Path, rng_only: bool = False) -> None:
+        """Copy the device's files of checkpoint `name` that `part` (the controller's copy in progress) lacks; with
+        `rng_only`, its ranks' RNG files alone.
 
         The names come from the device: every one is checked before anything is copied, and one that is not a plain
         file name of a checkpoint fails the round naming this device, with nothing written."""
@@ -159,7 +160,7 @@ class Node:
                     "refusing to copy from a device that misbehaves"
                 )
         for file in offered:
-            if not (part / file).exists():
+            if not (part / file).exists() and (file.startswith(checkpoint.RNG_PREFIX) or not rng_only):
                 await self.dev.get(f"{where}/{file}", part / file)
 
     async def get_results(self, run_dir: Path) -> bool:

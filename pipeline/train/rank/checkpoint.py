@@ -46,6 +46,8 @@ PER_NODE_ENV = "PIPELINE_CHECKPOINT_PER_NODE"
 """Set to 1 by cluster training over SSH, where each device's run directory is on its own disk: under DDP, each
 device then writes a whole checkpoint (:class:`Checkpointer`'s `per_node`)."""
 LATEST = "latest"
+RNG_PREFIX = "rng-"
+"""Each rank's RNG state is `rng-<rank>.pt` in the checkpoint, written whole (by a rename) before its save starts."""
 _STEP_DIR = re.compile(r"step-(\d+)")
 # What a checkpoint's own files are called (__0_0.distcp, .metadata, trainer.json, rng-0.pt, SHA256SUMS): a name
 # from elsewhere (a device, a .metadata) outside this set could climb out of the directory it is joined to.
@@ -97,7 +99,7 @@ def resumable(root: Path, cfg: Config) -> Path | None:
         raise PipelineError(f"{found}: written for a different data/model config; train into a new run directory")
     # Refused here, once, before any rank starts, rather than as a traceback on every rank.
     safe_dcp.read_metadata(found)
-    for rng in sorted(found.glob("rng-*.pt")):
+    for rng in sorted(found.glob(f"{RNG_PREFIX}*.pt")):
         _check_rng(rng)
     return found
 
@@ -225,7 +227,7 @@ class Checkpointer:
         dist.barrier(group=self.members)
         target.mkdir(parents=True, exist_ok=True)
         # Durable and whole, or absent: an emptied rng file (a power cut after an in-place write) fails every resume.
-        with atomic_path(target / f"rng-{dist.get_rank()}.pt") as tmp:
+        with atomic_path(target / f"{RNG_PREFIX}{dist.get_rank()}.pt") as tmp:
             torch.save(torch.get_rng_state(), tmp)
         state = _state(model, optim, outer)
         # Every replicated tensor (all of DDP's) in the lead rank's file: a checkpoint is then whole without the files
@@ -286,7 +288,7 @@ def load(
     state = _state(model, optim, outer if meta.get("outer_state") else None)
     safe_dcp.load(state, step_dir)
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    rng = step_dir / f"rng-{dist.get_rank()}.pt"
+    rng = step_dir / f"{RNG_PREFIX}{dist.get_rank()}.pt"
     if rng.is_file():  # absent when the world grew: such a rank keeps its own seed
         torch.set_rng_state(torch.load(rng, weights_only=True))
     return meta

@@ -150,6 +150,40 @@ def test_while_a_round_runs_copies_leave_the_link_nine_tenths_of_the_time(jetson
     assert asyncio.run(collect(paced=True)) == 7
 
 
+def test_a_checkpoint_is_copied_from_a_device_that_committed_it_not_from_one_still_writing_it(
+    jetson_fleet, tmp_path: Path
+):
+    """Each device saves its own (DDP over SSH): node-2 is still writing step 3 (its data file half there, its RNG
+    file whole) when node-1 has committed it. Asked first, node-2 gives only its RNG file; the data is node-1's."""
+    fleet = jetson_fleet([TargetSpec("node-1"), TargetSpec("node-2")])
+    targets = load_inventory(fleet.write_inventory()).targets
+    job = Job(
+        validate({}, "test"), tmp_path / "run", [NodeCheck(t) for t in targets], upload.bundle("none", {}), tmp_path,
+        Printer(None),
+    )  # fmt: skip
+    device_checkpoint(fleet["node-1"], job.key, tmp_path)
+    writing = fleet["node-2"].disk / "train/runs" / job.key / layout.CHECKPOINTS / STEP
+    writing.mkdir(parents=True)
+    whole = (tmp_path / STEP / "__0_0.distcp").read_bytes()
+    (writing / "__0_0.distcp").write_bytes(whole[: len(whole) // 2])
+    torch.save(torch.get_rng_state(), writing / "rng-1.pt")
+
+    async def collect() -> None:
+        nodes = [await Node.connect(NodeCheck(t), job.key, 1, LINK_TIMEOUT_S) for t in reversed(targets)]
+        try:
+            await job._collect_newest(nodes)  # node-2 first
+        finally:
+            for node in nodes:
+                await node.close()
+
+    asyncio.run(collect())
+    assert checkpoint.latest(job.ckpt_root) == (job.ckpt_root / STEP).resolve()
+    assert (job.ckpt_root / STEP / "__0_0.distcp").read_bytes() == whole
+    assert files_under(job.ckpt_root / STEP) == [
+        ".metadata", "__0_0.distcp", "rng-0.pt", "rng-1.pt", checkpoint.TRAINER_JSON
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize("line", ['{"step": "9"}', "{not json}", "[1, 2]", '{"step": 1e99}', "[" * 5000 + "]" * 5000])
 def test_a_metrics_line_from_a_device_that_is_not_a_step_counts_for_nothing(line: str) -> None:
     assert node_module._metrics_step(line) == -1
