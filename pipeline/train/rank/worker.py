@@ -139,7 +139,8 @@ class Trainer:
             x, y = next(iter(self.plain_loader))
             batch = x.to(self.rt.device), y.to(self.rt.device)
             candidates = [m for m in registry.METHODS.values() if m.auto]
-            choice = autoplan.probe(net, batch, registry.knobs(train, net, 0), candidates, self.rt.autocast)
+            knobs = registry.knobs(train, net, 0, Epoch(len(self.train_loader)))
+            choice = autoplan.probe(net, batch, knobs, candidates, self.rt.autocast)
         if choice.method == autoplan.GRADIENTS:
             return train, choice
         chosen = train.model_copy(update={"compression": choice.method})
