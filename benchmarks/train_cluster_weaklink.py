@@ -22,9 +22,9 @@ What it measures (issues #14 and #31), with `pipeline train --inventory` as a us
   method's accuracy against the seconds and against the collective bytes;
 - a node lost mid-run (`--kill-method`, `diloco`; `train.devices = "3:4"`, the last stand-in killed whole, as
   tests/train/cluster/test_cluster_elastic.py does, at step 44 (`--kill-at-step`), late in the second of its 23-step
-  epochs, 5 steps past an outer step, 21 past the epoch's start): wall seconds from the kill to the controller's next round and to the
-  next training step written after it (a device's metrics.jsonl read every 0.1 s), the steps lost (summary.json's
-  event), and the final accuracy against the same method's undisturbed run;
+  epochs, 5 steps past an outer step, 21 past the epoch's start): wall seconds from the kill to the controller's
+  next round and to the next training step written after it (a device's metrics.jsonl read every 0.1 s), the steps
+  lost (summary.json's event), and the final accuracy against the same method's undisturbed run;
 - what starting a run sends: the first run (`none`, fresh devices) against the same run again (`none` once more, code
   and data unchanged), from the upload's own `bytes_sent` (summary.json) and from the host ends' link counters
   (/sys/class/net/jetN/statistics/{tx,rx}_bytes, summed), split at the first and the last training step.
