@@ -89,12 +89,22 @@ class DataConfig(Section):
     on_bad_image: Literal["error", "skip"] = "error"
     """An ImageFolder file that cannot be decoded: `error` stops before training with one line naming it; `skip`
     leaves it out, and the log and train/summary.json count the skipped files."""
+    reference: Path | None = None
+    """A labelled ImageFolder tree on this machine (the training classes) that the stages after training score
+    models on: export's parity and accuracy gates and int8 calibration, the promotion gate. Unset: the training
+    data. Needed where the training images never reach this machine (`train.mode = "federated"`)."""
 
     @model_validator(mode="after")
     def _path_for_imagefolder(self) -> DataConfig:
         if self.source == "imagefolder" and self.path is None:
             raise ValueError("data.path is required when data.source = 'imagefolder'")
         return self
+
+    def for_scoring(self) -> DataConfig:
+        """The images models are scored on after training: `reference`'s folder, else the training data."""
+        if self.reference is None:
+            return self
+        return self.model_copy(update={"source": "imagefolder", "path": self.reference, "sync": False})
 
 
 class ModelConfig(Section):

@@ -94,7 +94,7 @@ def promote(cfg: Config, run: RunDir) -> registry.GateResult:
     from pipeline.holdout import Holdout  # imported here, as the stages are (stage_named): it imports torch
 
     challenger = run.manifest()["stages"]["train"]["metrics"]["val_accuracy"]
-    holdout = Holdout(cfg.data, cfg.run.seed, run.path)
+    holdout = Holdout(cfg.data.for_scoring(), cfg.run.seed, run.path)
     gate = registry.promotion_gate(
         challenger, cfg.run.runs_root, cfg.retrain.promotion_tolerance, exclude=run.path.resolve(), holdout=holdout
     )

@@ -43,7 +43,7 @@ def run(cfg: Config, run: RunDir, log: Callable[[str], None] = print) -> StageRe
 
 def fingerprint(cfg: Config) -> dict[str, str]:
     """The parity images depend on the data (files, not just config) and on the seed that splits them."""
-    return {"data": data.fingerprint(cfg.data), "run.seed": str(cfg.run.seed)}
+    return {"data": data.fingerprint(cfg.data.for_scoring()), "run.seed": str(cfg.run.seed)}
 
 
 def _export(cfg: Config, run: RunDir, log: Callable[[str], None]) -> StageResult:
@@ -97,7 +97,7 @@ def _splits(cfg: Config, meta: dict[str, Any]) -> data.Splits:
     spec = meta["input"]
     # The model's own normalisation, from model.json: the statistics it was trained with, wherever they came from.
     stats = ([float(v) for v in spec["mean"]], [float(v) for v in spec["std"]])
-    splits = data.load(cfg.data, cfg.run.seed, channels=int(spec["channels"]), stats=stats)
+    splits = data.load(cfg.data.for_scoring(), cfg.run.seed, channels=int(spec["channels"]), stats=stats)
     if splits.info.classes != meta["classes"]:
         raise PipelineError(f"data: its classes differ from those in {MODEL_JSON} (other dataset?)")
     size, trained = (splits.info.image_size,) * 2, (int(spec["height"]), int(spec["width"]))

@@ -49,3 +49,16 @@ def test_nightly_cluster_retrains_on_the_example_inventory():
     assert cfg.train.inventory is not None and cfg.train.devices
     inventory = read_toml(REPO / cfg.train.inventory, "inventory")  # the example's hosts are placeholders
     assert len(inventory["targets"]) >= 2 and inventory["defaults"]["python"] == "/usr/bin/python3"
+
+
+def test_nightly_federated_trains_the_example_cameras_in_their_idle_windows():
+    from pipeline.config import load_config, read_toml
+
+    nightly = _deployments()["nightly-federated"]
+    assert nightly["entrypoint"] == "flows/train_to_deploy.py:train_to_deploy"
+    cfg = load_config(REPO / nightly["parameters"]["config"])
+    assert cfg.train.mode == "federated" and cfg.train.inventory is not None
+    assert cfg.data.reference is not None  # export's gates cannot read the cameras' images
+    inventory = read_toml(REPO / cfg.train.inventory, "inventory")  # the example's hosts are placeholders
+    assert inventory["defaults"]["idle"] and len(inventory["targets"]) >= 2
+    assert cfg.deploy.inventory == cfg.train.inventory  # the model goes back to the cameras that trained it

@@ -69,13 +69,12 @@ def run_cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.Completed
 
 
 def marked_processes(fleet: JetsonFleet) -> list[str]:
-    """Training processes (torchrun agents, ranks) running in any stand-in."""
+    """Training processes (torchrun agents, ranks, federated clients) running in any stand-in."""
     found = []
     for target in fleet:
         if target.running:
-            out = target.run(
-                "ps -eo pid,args | grep -E 'torch.distributed.run|pipeline.train.rank.worker' | grep -v grep; true"
-            )
+            pattern = "torch.distributed.run|pipeline.train.rank.(worker|federated)"
+            out = target.run(f"ps -eo pid,args | grep -E '{pattern}' | grep -v grep; true")
             found += [f"{target.name}: {line}" for line in out.stdout.splitlines() if line.strip()]
     return found
 

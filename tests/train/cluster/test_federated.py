@@ -66,9 +66,8 @@ def run_chain(jetson_fleet, tmp_path: Path, python: str | None = None) -> None:
     reference = tmp_path / "reference"
     write_digit_folders([reference], alpha=1000.0)
     for stage in ("consolidate", "export"):
-        done = run_cli(
-            stage, "--run-dir", str(run_dir), "--set", f"data.path={json.dumps(str(reference))}", cwd=tmp_path
-        )
+        where = f"data.reference={json.dumps(str(reference))}"
+        done = run_cli(stage, "--run-dir", str(run_dir), "--set", where, cwd=tmp_path)
         assert done.returncode == 0, done.stdout + done.stderr
     assert read_json(run_dir / layout.MODEL_JSON)["classes"] == [str(c) for c in range(10)]
     assert marked_processes(fleet) == []
@@ -90,14 +89,14 @@ def wait_for_round(run_dir: Path, number: int, proc: subprocess.Popen[str], time
 
 
 @pytest.mark.slow  # about 3 minutes: tests/train/cluster/test_flower.py covers busy devices in the quick suite
-def test_a_busy_camera_waits_and_a_killed_one_is_dropped_from_its_round_then_taken_back(
+def test_a_busy_camera_waits_and_two_killed_ones_are_dropped_from_their_round_then_taken_back(
     jetson_fleet, tmp_path: Path
 ) -> None:
-    fleet = start_cluster(jetson_fleet, 3)
+    fleet = start_cluster(jetson_fleet, 4)
     write_digit_folders([t.disk / "digits" for t in fleet], alpha=0.5)
-    # node-3 is busy (its inference service, say) while /opt/edge/busy exists on its disk.
-    fleet["node-3"].run("touch /opt/edge/busy")
-    inv = inventory(fleet, node_3={"idle_check": "test ! -e /opt/edge/busy"})
+    # node-4 is busy (its inference service, say) while /opt/edge/busy exists on its disk.
+    fleet["node-4"].run("touch /opt/edge/busy")
+    inv = inventory(fleet, node_4={"idle_check": "test ! -e /opt/edge/busy"})
     run_dir = tmp_path / "run"
     args = ("--set", "train.federated.rounds=10", "--set", "train.federated.local_epochs=16")
     cmd = pipeline_cmd("train", "--inventory", str(inv), "--run-dir", str(run_dir), *FEDERATED, *args)
@@ -105,19 +104,51 @@ def test_a_busy_camera_waits_and_a_killed_one_is_dropped_from_its_round_then_tak
     try:
         wait_for_round(run_dir, 1, proc)
         first = rounds(run_dir)[0]
-        assert sorted(first["took_part"]) == ["node-1", "node-2"]
-        assert "idle check" in first["not_idle"]["node-3"]
-        fleet["node-3"].run("rm /opt/edge/busy")
+        assert sorted(first["took_part"]) == ["node-1", "node-2", "node-3"]
+        assert "idle check" in first["not_idle"]["node-4"]
+        fleet["node-4"].run("rm /opt/edge/busy")
         time.sleep(1.0)  # well inside round 2's training
-        fleet["node-2"].run("pkill -KILL -f 'pipeline[.]train[.]rank[.]federated'")
+        for name in ("node-2", "node-3"):
+            fleet[name].run("pkill -KILL -f 'pipeline[.]train[.]rank[.]federated'")
         output, _ = proc.communicate(timeout=600)
     finally:
         proc.kill()
     assert proc.returncode == 0, output[-3000:]
     records = rounds(run_dir)
     assert [r["round"] for r in records] == list(range(1, 11))
-    killed = [r for r in records[1:] if "node-2" not in r["took_part"]]
-    assert killed and killed[0]["failures"] == 1 and killed[0]["took_part"]  # the round went on without it
-    assert "node-2" in records[-1]["took_part"] and "node-3" in records[-1]["took_part"]  # both taken back
+    killed = [r for r in records[1:] if not {"node-2", "node-3"} & set(r["took_part"])]
+    assert killed and killed[0]["failures"] == 2 and killed[0]["took_part"]  # the round went on without them
+    assert {"node-2", "node-3", "node-4"} <= set(records[-1]["took_part"])  # all three taken back
     assert read_json(run_dir / layout.SUMMARY)["rounds"] == 10
+    assert marked_processes(fleet) == []
+
+
+@pytest.mark.slow  # about 3 minutes
+def test_a_controller_killed_outright_resumes_from_the_last_aggregated_round(jetson_fleet, tmp_path: Path) -> None:
+    """SIGKILL to `pipeline train` after round 2: every device's client stops with its SSH session; the same
+    command again goes on from the last checkpointed round, and nothing before it is lost or done again."""
+    fleet = start_cluster(jetson_fleet, 2)
+    write_digit_folders([t.disk / "digits" for t in fleet], alpha=0.5)
+    run_dir = tmp_path / "run"
+    args = ("--set", "train.federated.rounds=6", "--set", "train.federated.local_epochs=8")
+    cmd = pipeline_cmd("train", "--inventory", str(inventory(fleet)), "--run-dir", str(run_dir), *FEDERATED, *args)
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_round(run_dir, 2, proc)
+    finally:
+        proc.kill()
+        proc.communicate()
+    saved = (run_dir / layout.LATEST).resolve()
+    before = rounds(run_dir)
+    deadline = time.monotonic() + 60
+    while marked_processes(fleet):  # the devices' wrappers stop what the dead controller started
+        assert time.monotonic() < deadline, marked_processes(fleet)
+        time.sleep(1.0)
+    again = run_cli(*cmd[3:], cwd=tmp_path)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    numbers = [r["round"] for r in rounds(run_dir)]
+    assert numbers[: len(before)] == [r["round"] for r in before]  # what the first run recorded stays
+    last = int(saved.name.removeprefix("step-"))
+    assert numbers[len(before) :] == list(range(last + 1, 7))  # the rest, each once
+    assert read_json(run_dir / layout.SUMMARY)["rounds"] == 6
     assert marked_processes(fleet) == []
