@@ -37,9 +37,10 @@ from pipeline.fleet.ssh import FAILURES
 from pipeline.fleet.upload import Bundle
 from pipeline.train.cluster import NodeCheck, check_all, check_one, code_bundle, python_path, run_key
 from pipeline.train.cluster.agent import Printer, agent_script, env_file
+from pipeline.train.cluster.flower import token_for
 from pipeline.train.cluster.node import Node
 from pipeline.train.cluster.rounds import main_task, node_data
-from pipeline.train.rank.federated import IDLE_CHECK_ENV, IDLE_WINDOW_ENV, NODE_ENV
+from pipeline.train.rank.federated import IDLE_CHECK_ENV, IDLE_WINDOW_ENV, NODE_ENV, TOKEN_ENV
 
 CENSUS_GRACE_S = 60.0
 """Seconds the first round waits for every device found ready to connect, once `min_devices` have."""
@@ -76,8 +77,9 @@ async def _train(cfg: Config, run_dir: Path, inventory: Inventory, workdir: Path
         )
     found = await node_data([c.target for c in ready], cfg, code.id)  # one line when their class names differ
     classes = next(iter(found.values())).classes
-    fleet = Fleet(cfg, run_dir, code, workdir, classes, printer)
-    server = Server(cfg, run_dir, classes, len(ready), printer.emit)
+    secret = secrets.token_bytes(32)  # the devices' admission tokens derive from it (flower.token_for)
+    fleet = Fleet(cfg, run_dir, code, workdir, classes, printer, secret)
+    server = Server(cfg, run_dir, classes, len(ready), printer.emit, secret)
     started = time.monotonic()
     # Devices unreachable now (a camera switched off) are tried again all along, and take part once they answer.
     joining = ready + [c for c in checks if c.status == "unreachable"]
@@ -102,9 +104,17 @@ class Fleet:
     """The devices' Flower clients, each kept running (started again when it stops) until the run is done."""
 
     def __init__(
-        self, cfg: Config, run_dir: Path, code: Bundle, workdir: Path, classes: list[str], printer: Printer
+        self,
+        cfg: Config,
+        run_dir: Path,
+        code: Bundle,
+        workdir: Path,
+        classes: list[str],
+        printer: Printer,
+        secret: bytes,
     ) -> None:
         self.cfg, self.code, self.workdir, self.classes, self.printer = cfg, code, workdir, classes, printer
+        self.secret = secret
         self.config_file = run_dir / layout.CONFIG_SNAPSHOT
         self.key = run_key(run_dir)
         self.token = secrets.token_hex(8)
@@ -183,6 +193,7 @@ class Fleet:
             "OMP_NUM_THREADS": str(self.cfg.train.threads_per_rank),
             "FLWR_TELEMETRY_ENABLED": os.environ.get("FLWR_TELEMETRY_ENABLED", "0"),  # see rank/federated.py
             NODE_ENV: target.name,
+            TOKEN_ENV: token_for(self.secret, target.name),
             IDLE_WINDOW_ENV: target.idle,
             IDLE_CHECK_ENV: target.idle_check,
         }
@@ -192,7 +203,13 @@ class Server:
     """Flower's server on the controller's loopback, and the rounds, each checkpointed as it ends."""
 
     def __init__(
-        self, cfg: Config, run_dir: Path, classes: list[str], expected: int, emit: Callable[[str, str, str], None]
+        self,
+        cfg: Config,
+        run_dir: Path,
+        classes: list[str],
+        expected: int,
+        emit: Callable[[str, str, str], None],
+        secret: bytes,
     ) -> None:
         from pipeline.train.cluster import flower
 
@@ -200,7 +217,7 @@ class Server:
         self.expected = expected
         """Devices found ready: the first round waits (a while) for all of them to connect."""
         self.say = lambda text: emit("controller", text, "\n")
-        self.manager = flower.IdleClientManager(cfg.train.federated, cfg.run.seed, self.say)
+        self.manager = flower.IdleClientManager(cfg.train.federated, cfg.run.seed, self.say, secret)
         self.port = flower.free_port()
         self.grpc = flower.listen(self.manager, self.port)
 

@@ -8,11 +8,14 @@ devices that say they are idle, and :class:`DeltaStrategy` turns each device's c
 back into a model before the strategy averages, leaving out the devices that got busy and any change that does not
 fit the model. The server listens on the controller's loopback only; the devices reach it through their SSH
 connections (pipeline.train.cluster.federated), so only the inventory's devices, logged in with verified host keys,
-can connect at all (docs/how-to/federated.md#security).
+and local processes can connect at all; of those, only a client that answers with its device's token for this run
+(:func:`admitted`) is sampled or scores a model (docs/how-to/federated.md#security).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import random
@@ -63,11 +66,23 @@ def listen(manager: IdleClientManager, port: int) -> Any:
     return start_grpc_server(client_manager=manager, server_address=f"127.0.0.1:{port}")
 
 
+def admitted(secret: bytes, node: str, token: str) -> bool:
+    """Whether `token` is device `node`'s for the run whose secret is `secret` (:func:`token_for`)."""
+    return hmac.compare_digest(token, token_for(secret, node))
+
+
+def token_for(secret: bytes, node: str) -> str:
+    """Device `node`'s admission token: an HMAC of its name under the run's secret, which never leaves the
+    controller. Each device gets its own in its agent's environment file (read once, then deleted)."""
+    return hmac.new(secret, node.encode(), hashlib.sha256).hexdigest()
+
+
 @dataclass
 class Answer:
     """One device's answer to "are you idle, and what are your images?"."""
 
     node: str
+    token: str
     busy: str
     images: int
     classes: list[str]
@@ -81,22 +96,31 @@ class IdleClientManager(SimpleClientManager):
     waits (up to `wait_idle_s`) until `min_devices` say yes, and samples among them; an empty sample skips the round.
     """
 
-    def __init__(self, fed: FederatedConfig, seed: int, say: Callable[[str], None]) -> None:
+    def __init__(self, fed: FederatedConfig, seed: int, say: Callable[[str], None], secret: bytes) -> None:
         super().__init__()
-        self.fed, self.rng, self.say = fed, random.Random(seed), say
+        self.fed, self.rng, self.say, self.secret = fed, random.Random(seed), say, secret
         self.names: dict[str, str] = {}
-        """Client id (its connection) → device name, as each device says."""
+        """Client id (its connection) → device name, for the clients admitted (:func:`admitted`)."""
+        self.refused: set[str] = set()
+        """Client ids whose answer carried no valid token (said once each)."""
         self.busy: dict[str, str] = {}
         """Device name → why it was not sampled in the last round."""
         self.stopping = threading.Event()
         """Set when the run is being stopped: no round waits for devices any more."""
 
     def ask(self) -> dict[str, Answer]:
-        """Every connected device's answer, by client id; a device that does not answer is left out."""
+        """Every admitted connected device's answer, by client id; one that does not answer is left out, and one
+        whose token is not its device's is named once and never sampled."""
         clients = dict(self.clients)
         with ThreadPoolExecutor(max_workers=max(1, len(clients))) as pool:
             found = dict(zip(clients, pool.map(_ask, clients.values()), strict=True))
         answers = {cid: a for cid, a in found.items() if a is not None}
+        for cid, answer in list(answers.items()):
+            if not admitted(self.secret, answer.node, answer.token):
+                del answers[cid]
+                if cid not in self.refused:
+                    self.refused.add(cid)
+                    self.say(f"a client calling itself {answer.node[:40]!r} has not its device's token; not admitted")
         self.names |= {cid: a.node for cid, a in answers.items()}
         return answers
 
@@ -124,6 +148,7 @@ def _ask(client: ClientProxy) -> Answer | None:
         props = client.get_properties(GetPropertiesIns(config={}), timeout=ASK_TIMEOUT_S, group_id=None).properties
         return Answer(
             str(props["node"]),
+            str(props.get("token", "")),
             str(props["busy"]),
             int(props["images"]),
             [str(c) for c in json.loads(str(props["classes"]))],
@@ -202,10 +227,10 @@ class DeltaStrategy(Strategy):
         return self.inner.aggregate_fit(server_round, kept, failures)
 
     def configure_evaluate(self, server_round: int, parameters: Parameters, client_manager: Any) -> list[Any]:
-        """Every connected device scores the new global model on its own validation images (busy or not: a few
-        forward passes, no training)."""
+        """Every admitted connected device scores the new global model on its own validation images (busy or not: a
+        few forward passes, no training)."""
         ins = EvaluateIns(parameters, self.inner.on_evaluate_config_fn(server_round))  # type: ignore[misc]
-        return [(client, ins) for client in client_manager.all().values()]
+        return [(client, ins) for cid, client in client_manager.all().items() if cid in self.manager.names]
 
     def aggregate_evaluate(
         self, server_round: int, results: list[tuple[ClientProxy, EvaluateRes]], failures: list[Any]

@@ -62,6 +62,8 @@ from flwr.common import (
 IDLE_WINDOW_ENV = "PIPELINE_IDLE_WINDOW"
 IDLE_CHECK_ENV = "PIPELINE_IDLE_CHECK"
 NODE_ENV = "PIPELINE_NODE_NAME"
+TOKEN_ENV = "PIPELINE_FEDERATED_TOKEN"
+"""The device's admission token for this run, which its answers carry (pipeline.train.cluster.flower.admitted)."""
 IDLE_EVERY_S = 10.0
 """Seconds between idleness checks while a round trains: a device that gets busy stops within this."""
 CHECK_TIMEOUT_S = 30
@@ -95,9 +97,10 @@ def idle_now() -> str:
 class DeviceClient(Client):
     """The Flower client of this device: its images, its model, its change encoder."""
 
-    def __init__(self, cfg: Config, name: str, busy: Callable[[], str] = idle_now) -> None:
-        self.cfg, self.name, self.busy = cfg, name, busy
-        """This device's inventory name, and what says why it may not train now ("" when it may)."""
+    def __init__(self, cfg: Config, name: str, token: str, busy: Callable[[], str] = idle_now) -> None:
+        self.cfg, self.name, self.token, self.busy = cfg, name, token, busy
+        """This device's inventory name, its admission token, and what says why it may not train now ("" when it
+        may)."""
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.rt = Runtime(0, 1, "none", device, runtime.resolve_precision(cfg.train, device))
         self.channels = models.spec_for(cfg.model.name).channels
@@ -127,7 +130,7 @@ class DeviceClient(Client):
     def get_properties(self, ins: GetPropertiesIns) -> GetPropertiesRes:
         """Idleness now, and what the server needs to know of the device's images (never the images)."""
         info = self.splits.info
-        props = {"node": self.name, "busy": self.busy(), "images": len(self.splits.train)}
+        props = {"node": self.name, "token": self.token, "busy": self.busy(), "images": len(self.splits.train)}
         props |= {"classes": json.dumps(info.classes), "mean": json.dumps(self.own_stats[0])}
         props |= {"std": json.dumps(self.own_stats[1]), "channels": info.channels}
         return GetPropertiesRes(status=OK, properties=props)
@@ -228,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = RunDir(args.run_dir).load_config()
         torch.set_num_threads(cfg.train.threads_per_rank)
-        client = DeviceClient(cfg, os.environ.get(NODE_ENV, ""))
+        client = DeviceClient(cfg, os.environ.get(NODE_ENV, ""), os.environ.get(TOKEN_ENV, ""))
     except PipelineError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code

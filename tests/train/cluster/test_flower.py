@@ -7,16 +7,17 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
+from flwr.client import start_client
+from flwr.common import EvaluateIns, EvaluateRes, FitIns, FitRes
 
 from pipeline.config import Config, load_config
 from pipeline.train.cluster import fedstate, flower
 from pipeline.train.rank.federated import DeviceClient, in_window
 from tests.digit_folders import write_digit_folders
-
-flwr = pytest.importorskip("flwr")
 
 
 def device_config(folder: Path, **federated: object) -> Config:
@@ -32,20 +33,40 @@ def device_config(folder: Path, **federated: object) -> Config:
     )
 
 
+class Impostor(DeviceClient):
+    """A client that calls itself cam-1 without cam-1's token (a local process that found the server's port): it
+    counts what it is asked to do."""
+
+    asked: ClassVar[list[str]] = []
+
+    def fit(self, ins: FitIns) -> FitRes:
+        self.asked.append("fit")
+        return super().fit(ins)
+
+    def evaluate(self, ins: EvaluateIns) -> EvaluateRes:
+        self.asked.append("evaluate")
+        return super().evaluate(ins)
+
+
 def test_idle_devices_train_rounds_and_a_busy_one_sits_out(tmp_path: Path) -> None:
     folders = [tmp_path / f"cam-{i}" for i in range(3)]
     write_digit_folders(folders, alpha=0.5)
     cfgs = [device_config(f, lr=0.003, local_epochs=2, wait_idle_s=2) for f in folders]
     busy = {"cam-2": "its idle check exited 1"}
-    clients = [DeviceClient(c, f.name, lambda n=f.name: busy.get(n, "")) for c, f in zip(cfgs, folders, strict=True)]
+    secret = b"the run's secret"
+    clients = [
+        DeviceClient(c, f.name, flower.token_for(secret, f.name), lambda n=f.name: busy.get(n, ""))
+        for c, f in zip(cfgs, folders, strict=True)
+    ]
+    clients.append(Impostor(cfgs[0], "cam-1", flower.token_for(b"another run's secret", "cam-1"), lambda: ""))
 
     said: list[str] = []
-    manager = flower.IdleClientManager(cfgs[0].train.federated, 0, said.append)
+    manager = flower.IdleClientManager(cfgs[0].train.federated, 0, said.append, secret)
     port = flower.free_port()
     server = flower.listen(manager, port)
     threads = [
         threading.Thread(
-            target=flwr.client.start_client,
+            target=start_client,
             kwargs={"server_address": f"127.0.0.1:{port}", "client": c, "insecure": True, "transport": "grpc-bidi"},
             daemon=True,
         )
@@ -54,9 +75,9 @@ def test_idle_devices_train_rounds_and_a_busy_one_sits_out(tmp_path: Path) -> No
     for t in threads:
         t.start()
     try:
-        assert manager.wait_for(3, timeout=60)
+        assert manager.wait_for(4, timeout=60)
         answers = list(manager.ask().values())
-        assert sorted(a.node for a in answers) == ["cam-0", "cam-1", "cam-2"]
+        assert sorted(a.node for a in answers) == ["cam-0", "cam-1", "cam-2"]  # the impostor is not admitted
         stats = flower.pooled_stats(answers)
         state = fedstate.State(cfgs[0], tmp_path / "run", 10)
         state.begin(stats, answers[0].channels)
@@ -82,6 +103,8 @@ def test_idle_devices_train_rounds_and_a_busy_one_sits_out(tmp_path: Path) -> No
     assert model is None and skipped["took_part"] == [] and sorted(skipped["not_idle"]) == ["cam-0", "cam-1", "cam-2"]
     assert "val_accuracy" not in skipped and skipped["bytes_down"] == 0
     assert any("0 of 3 connected devices idle; waiting for 2" in line for line in said)
+    assert said.count("a client calling itself 'cam-1' has not its device's token; not admitted") == 1
+    assert Impostor.asked == []  # never sampled to train, never asked to score a model
     # Each device's change is int8 (a quarter of the fp32 model it received, plus headers and scales).
     per_device_down, per_device_up = records[0]["bytes_down"] / 2, records[0]["bytes_up"] / 2
     assert per_device_up < per_device_down / 3
@@ -94,7 +117,8 @@ def test_pooled_statistics_are_those_of_all_images_together() -> None:
     rng = np.random.default_rng(0)
     parts = [rng.normal(m, s, size=n) for m, s, n in ((0.2, 0.1, 300), (0.7, 0.3, 100))]
     answers = [
-        flower.Answer(f"d{i}", "", len(p), ["a"], [float(p.mean())], [float(p.std())], 1) for i, p in enumerate(parts)
+        flower.Answer(f"d{i}", "token", "", len(p), ["a"], [float(p.mean())], [float(p.std())], 1)
+        for i, p in enumerate(parts)
     ]
     mean, std = flower.pooled_stats(answers)
     together = np.concatenate(parts)
