@@ -317,17 +317,19 @@ class Job:
         newer = best > self.resumed_step() or (best >= 0 and checkpoint.latest(self.ckpt_root) is None)
         if not newer or (paced and time.monotonic() < self.next_copy):
             return
-        start = time.monotonic()
+        copying = 0.0
         with contextlib.suppress(*FAILURES):
-            await self._collect(members, best, {name for name, step in latest.items() if step == best})
-        self.next_copy = time.monotonic() + (time.monotonic() - start) * (1 / COPY_SHARE - 1)
+            copying = await self._collect(members, best, {name for name, step in latest.items() if step == best})
+        self.next_copy = time.monotonic() + copying * (1 / COPY_SHARE - 1)
 
-    async def _collect(self, members: list[Node], step: int, committed: set[str]) -> None:
+    async def _collect(self, members: list[Node], step: int, committed: set[str]) -> float:
         """Copy checkpoint `step` from the devices into the controller's run directory, first from those that
-        `committed` it; committed here once it is whole, else left to complete at the next look."""
+        `committed` it; committed here once it is whole, else left to complete at the next look. Returns the
+        seconds the copies took."""
         name = f"step-{step}"
+        copying = 0.0
         if (self.ckpt_root / name / checkpoint.TRAINER_JSON).is_file():
-            return
+            return copying
         part = self.ckpt_root / f".{name}.part"
         part.mkdir(parents=True, exist_ok=True)
         for node in sorted(members, key=lambda n: n.name not in committed):
@@ -337,15 +339,16 @@ class Job:
             # still: once whole, the others add only their ranks' RNG files, each written whole before its save.
             whole = _whole(part) and (part / checkpoint.TRAINER_JSON).is_file()
             with contextlib.suppress(*FAILURES):
-                await node.get_checkpoint(name, part, rng_only=whole and node.name not in committed)
+                copying += await node.get_checkpoint(name, part, rng_only=whole and node.name not in committed)
         if not (part / checkpoint.TRAINER_JSON).is_file() or not _whole(part):
-            return
+            return copying
         # Each file and `part` itself were synced as they were copied (Device.get); the rename is synced before
         # `latest` moves, so a power cut never leaves `latest` on a name that is not on disk.
         part.rename(self.ckpt_root / name)
         fsync_dir(self.ckpt_root)
         checkpoint.point_latest(self.ckpt_root, name)
         checkpoint.prune(self.ckpt_root, self.cfg.train.keep_checkpoints)
+        return copying
 
     async def _finish(self, members: list[Node]) -> None:
         """After the last round: the final checkpoint, and rank 0's metrics, dataset and summary."""

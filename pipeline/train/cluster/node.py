@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import re
 import shlex
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,9 +145,10 @@ class Node:
         lines = out.stdout.splitlines()
         return _step_of(lines[0] if lines else ""), max(map(_metrics_step, lines[2:]), default=-1)
 
-    async def get_checkpoint(self, name: str, part: Path, rng_only: bool = False) -> None:
+    async def get_checkpoint(self, name: str, part: Path, rng_only: bool = False) -> float:
         """Copy the device's files of checkpoint `name` that `part` (the controller's copy in progress) lacks; with
-        `rng_only`, its ranks' RNG files alone.
+        `rng_only`, its ranks' RNG files alone. Returns the seconds the copies took (not the wait for a device that
+        was silent when asked).
 
         The names come from the device: every one is checked before anything is copied, and one that is not a plain
         file name of a checkpoint fails the round naming this device, with nothing written."""
@@ -159,9 +161,11 @@ class Node:
                     f"{self.name}: offered checkpoint file {file[:80]!r} for {name}: not a plain file name; "
                     "refusing to copy from a device that misbehaves"
                 )
+        started = time.monotonic()
         for file in offered:
             if not (part / file).exists() and (file.startswith(checkpoint.RNG_PREFIX) or not rng_only):
                 await self.dev.get(f"{where}/{file}", part / file)
+        return time.monotonic() - started
 
     async def get_results(self, run_dir: Path) -> bool:
         """Copy rank 0's metrics, dataset and summary into `run_dir`; False when this device ran no rank 0 (holds no

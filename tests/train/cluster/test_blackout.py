@@ -128,14 +128,19 @@ def test_a_blackout_within_the_link_timeout_is_ridden_out_in_the_same_round(
     blackout."""
     fleet = start_cluster(jetson_fleet, 2)
     inv = inventory(fleet)
+    # 4 epochs train in 3 s here, less than it takes the controller to hold its first checkpoint: 24 are still
+    # training when the cut comes.
+    longer = ("--set", "train.epochs=24")
     began = time.monotonic()
-    straight = run_cli("train", "--inventory", str(inv), "--run-dir", str(tmp_path / "straight"), *ARGS, cwd=tmp_path)
+    straight = run_cli(
+        "train", "--inventory", str(inv), "--run-dir", str(tmp_path / "straight"), *ARGS, *longer, cwd=tmp_path
+    )
     straight_s = time.monotonic() - began
     assert straight.returncode == 0, straight.stderr[-3000:]
 
     run_dir = tmp_path / "blackout"
     began = time.monotonic()
-    proc, output = start_training(inv, run_dir)
+    proc, output = start_training(inv, run_dir, *longer)
     try:
         wait_for_step(run_dir, 0, proc)
         cut_at = cut(fleet["node-2"])

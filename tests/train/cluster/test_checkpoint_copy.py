@@ -129,18 +129,22 @@ def test_while_a_round_runs_copies_leave_the_link_nine_tenths_of_the_time(jetson
         validate({}, "test"), tmp_path / "run", [NodeCheck(target)], upload.bundle("none", {}), tmp_path, Printer(None)
     )
 
+    took: list[float] = []
+
     async def collect(paced: bool) -> int:
         node = await Node.connect(NodeCheck(target), job.key, 1, LINK_TIMEOUT_S)
         try:
+            start = time.monotonic()
             await job._collect_newest([node], paced=paced)
+            took[:] = [start, time.monotonic()]
         finally:
             await node.close()
         return job.resumed_step()
 
     device_checkpoint(device, job.key, tmp_path)
-    before = time.monotonic()
     assert asyncio.run(collect(paced=True)) == 3  # the first: nothing copied yet
-    assert job.next_copy > before  # the next waits nine times as long as this copy took
+    start, end = took
+    assert end < job.next_copy <= end + 9 * (end - start)  # the next waits nine times as long as the copy took
     device_checkpoint(device, job.key, tmp_path, step=5)
     job.next_copy = time.monotonic() + 3600  # a copy that took 400 s, as a large checkpoint over 20 Mbit/s can
     assert asyncio.run(collect(paced=True)) == 3
