@@ -57,6 +57,8 @@ class Schedule:
         averaging."""
         self.whole = True
         """An averaging makes the models one."""
+        self.averaged = False
+        """Whether the step just counted ended with an averaging (warm-up steps do not count)."""
         self.paces: list[float] = []
         """The share of the steps each rank trains (:meth:`pace`); empty: every rank every step."""
         self.since = 0
@@ -85,6 +87,7 @@ class Schedule:
         due = self.step >= self.warmup_steps and into in self.ends
         self.step += 1
         self.in_sync = due or self.step <= self.warmup_steps
+        self.averaged = due
         if due:
             self._close()
         return due

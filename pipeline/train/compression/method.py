@@ -89,6 +89,9 @@ class Timetable(Protocol):
     whole: bool
     """Whether an averaging makes the models one (local SGD, DiLoCo: a checkpoint due waits for the next); False
     where none does (streaming, one fragment at a time: a checkpoint due settles them at once)."""
+    averaged: bool
+    """Whether the step just counted ended with an averaging that made the models one (not a warm-up step, whose
+    models DDP keeps one)."""
 
 
 class Averager(Protocol):
@@ -272,6 +275,11 @@ class Compression:
     def averages_whole(self) -> bool:
         """Whether the method averages models every few steps, each averaging making them one (local SGD, DiLoCo)."""
         return self.averager is not None and self.averager.schedule.whole
+
+    @property
+    def averaged(self) -> bool:
+        """Whether the step just taken ended with an averaging that made the models one (:attr:`Timetable.averaged`)."""
+        return self.averager is not None and self.averager.schedule.averaged
 
     @property
     def paced(self) -> bool:

@@ -41,6 +41,8 @@ class Turns:
     """Whether the ranks' models are one now: only before the first step and after a settle."""
     whole: bool = False
     """An outer step of one fragment never makes the models one: a checkpoint settles them (method.Timetable)."""
+    averaged: bool = False
+    """No step ends with the models made one (method.Timetable)."""
 
     def sending(self, step: int) -> list[int]:
         """The fragments whose turn is at `step` (step 0 is the first averaging, of the whole model)."""

@@ -183,8 +183,7 @@ class Trainer:
         self.checkpointer = checkpoint.Checkpointer(self.ckpt_root, train.keep_checkpoints, background, per_node)
         # Such a save is a local write: after every averaging of local SGD or DiLoCo, a device lost then costs the
         # others at most the outer step in flight (docs/how-to/cluster.md#a-device-lost-for-good).
-        whole = per_node and self.comm.averages_whole
-        self.checkpoint_every = train.checkpoint_every_steps or (1 if whole else None)
+        self.save_averaged = train.checkpoint_every_steps is None and per_node and self.comm.averages_whole
         self.samples = 0
         self.train_seconds = 0.0
         # train.balance: shares of the batch follow the ranks' steps. DDP only (FSDP's shards gather in step), and
@@ -350,7 +349,7 @@ class Trainer:
             dynamic_ncols=True,
         )
         last = time.perf_counter()
-        every, due = self.checkpoint_every, False
+        every, due = self.cfg.train.checkpoint_every_steps, False
         for index, (x, y) in enumerate(bar, start=skip + 1):
             lr = finetune.scheduled_lr(self.plan.lr, step, self.total_steps, self.warmup_steps)
             self.freezing = bool(self.frozen) and step < self.frozen_steps
@@ -385,7 +384,7 @@ class Trainer:
             # whose averagings never make the models one, settles them now): saved before it, the checkpoint would be
             # one rank's model alone (DCP keeps one copy of what DDP replicates), without the others' steps since the
             # last averaging, and DiLoCo's anchor would be that model too.
-            due = due or bool(every and step % every == 0)
+            due = due or bool(every and step % every == 0) or (self.save_averaged and self.comm.averaged)
             if due and index < self.steps_per_epoch and self.comm.ready_to_save(self.model):  # the end saves anyway
                 self.save(epoch, step, next_batch=index)
                 due = False

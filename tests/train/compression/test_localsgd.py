@@ -64,6 +64,14 @@ def test_averagings_are_spread_over_each_epoch_and_the_last_is_its_last_step() -
     assert due_steps(localsgd.Schedule(8, 0, Epoch(23, done=5)), 41) == [2, 10, 17, 25, 33, 40]
     warm = localsgd.Schedule(8, 10, Epoch(23))
     assert due_steps(warm, 23) == [15, 22] and warm.in_sync
+    # What a cluster job's device checkpoints after (worker: save_averaged): the averagings, not the warm-up's steps,
+    # whose models DDP keeps one too.
+    warm = localsgd.Schedule(8, 10, Epoch(23))
+    averaged = []
+    for step in range(23):
+        warm.tick()
+        averaged += [step] if warm.averaged else []
+    assert averaged == [15, 22]
     between = localsgd.Schedule(8, 0, Epoch(23))
     due_steps(between, 9)
     assert not between.in_sync and between.settle_due()  # mid-epoch the models differ: a settle is needed
