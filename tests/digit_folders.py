@@ -24,11 +24,14 @@ def dirichlet_split(labels: np.ndarray, devices: int, alpha: float, seed: int) -
     return [np.array(sorted(s), dtype=int) for s in shares]
 
 
-def write_digit_folders(roots: list[Path], alpha: float, seed: int = 0) -> list[dict[str, int]]:
+def write_digit_folders(roots: list[Path], alpha: float, seed: int = 0, size: int = 8) -> list[dict[str, int]]:
     """Each root gets `<digit>/<n>.png` for its share (every class folder exists, maybe empty but for one image, so
-    every device has the same class names); returns each device's image count per class."""
+    every device has the same class names); returns each device's image count per class. A `size` above the digits'
+    8 px writes them as a camera would: scaled up, with sensor noise (so their files are as big as real frames)."""
     digits = load_digits()
     images = (digits.images * (255 / 16)).astype(np.uint8)
+    if size != 8:
+        images = _as_camera_frames(images, size, np.random.default_rng(seed))
     counts = []
     for root, indices in zip(roots, dirichlet_split(digits.target, len(roots), alpha, seed), strict=True):
         count = {str(c): 0 for c in range(10)}
@@ -42,3 +45,9 @@ def write_digit_folders(roots: list[Path], alpha: float, seed: int = 0) -> list[
             count[label] += 1
         counts.append(count)
     return counts
+
+
+def _as_camera_frames(images: np.ndarray, size: int, rng: np.random.Generator) -> np.ndarray:
+    frames = np.stack([np.asarray(Image.fromarray(i).resize((size, size), Image.Resampling.BICUBIC)) for i in images])
+    noisy = frames.astype(np.int16) + rng.normal(0, 6, frames.shape).round().astype(np.int16)
+    return noisy.clip(0, 255).astype(np.uint8)

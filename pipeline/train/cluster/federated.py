@@ -4,7 +4,8 @@ as any training run's does: checkpoints the consolidate stage reads, metrics.jso
 who was busy or dropped, bytes each way, validation accuracy), dataset.json and summary.json.
 
 The devices come and go. Each is started over its SSH connection, which also carries its Flower traffic (a port on
-its loopback forwarded to the server on the controller's), and started again, once reachable, whenever it stops
+its loopback forwarded to the server on the controller's, over TLS with a certificate of the run's own:
+pipeline.train.cluster.tls), and started again, once reachable, whenever it stops
 before the run ends: a camera that rebooted or lost its link takes part again when it is next idle. A round needs
 `min_devices` idle devices, not all of them; one that gets busy, leaves or misses the deadline mid-round is left out
 of that round only. Each round's model is checkpointed before the next starts, so a controller that is stopped
@@ -35,13 +36,15 @@ from pipeline.files import write_json
 from pipeline.fleet.inventory import Inventory, load_inventory
 from pipeline.fleet.ssh import FAILURES
 from pipeline.fleet.upload import Bundle
-from pipeline.train.cluster import NodeCheck, check_all, check_one, code_bundle, python_path, run_key
+from pipeline.train.cluster import NodeCheck, check_all, check_one, code_bundle, python_path, run_key, tls
 from pipeline.train.cluster.agent import Printer, agent_script, env_file
 from pipeline.train.cluster.flower import token_for
 from pipeline.train.cluster.node import Node
 from pipeline.train.cluster.rounds import main_task, node_data
 from pipeline.train.rank.federated import IDLE_CHECK_ENV, IDLE_WINDOW_ENV, NODE_ENV, TOKEN_ENV
 
+AUTHORITY = "flower-authority.pem"
+"""The run's TLS authority certificate (pipeline.train.cluster.tls), beside config.json in each device's run dir."""
 CENSUS_GRACE_S = 60.0
 """Seconds the first round waits for every device found ready to connect, once `min_devices` have."""
 RAN_A_WHILE_S = 30.0
@@ -78,8 +81,11 @@ async def _train(cfg: Config, run_dir: Path, inventory: Inventory, workdir: Path
     found = await node_data([c.target for c in ready], cfg, code.id)  # one line when their class names differ
     classes = next(iter(found.values())).classes
     secret = secrets.token_bytes(32)  # the devices' admission tokens derive from it (flower.token_for)
+    certificates = tls.issue(cfg.train.timeout_s)
     fleet = Fleet(cfg, run_dir, code, workdir, classes, printer, secret)
-    server = Server(cfg, run_dir, classes, len(ready), printer.emit, secret)
+    authority = workdir / AUTHORITY
+    authority.write_bytes(certificates.authority)
+    server = Server(cfg, run_dir, classes, len(ready), printer.emit, secret, certificates)
     started = time.monotonic()
     # Devices unreachable now (a camera switched off) are tried again all along, and take part once they answer.
     joining = ready + [c for c in checks if c.status == "unreachable"]
@@ -168,10 +174,11 @@ class Fleet:
         try:
             await node.dev.run(f"mkdir -p {shlex.quote(node.run_dir)}", timeout_s=30)
             await node.dev.put(self.config_file, f"{node.run_dir}/{layout.CONFIG_SNAPSHOT}")
+            await node.dev.put(self.workdir / AUTHORITY, f"{node.run_dir}/{AUTHORITY}")
             target = check.target
             command = (
                 f"{target.python} -m pipeline.train.rank.federated --run-dir {shlex.quote(node.run_dir)} "
-                f"--server 127.0.0.1:{node.store_port}"
+                f"--server {tls.HOST}:{node.store_port} --authority {shlex.quote(f'{node.run_dir}/{AUTHORITY}')}"
             )
             script = agent_script(node.run_dir, command, self.token, target.addr)
             proc = await node.start(script, env_file(self._env(node)), self.cfg.train.timeout_s)
@@ -210,6 +217,7 @@ class Server:
         expected: int,
         emit: Callable[[str, str, str], None],
         secret: bytes,
+        certificates: tls.Certificates,
     ) -> None:
         from pipeline.train.cluster import flower
 
@@ -219,7 +227,7 @@ class Server:
         self.say = lambda text: emit("controller", text, "\n")
         self.manager = flower.IdleClientManager(cfg.train.federated, cfg.run.seed, self.say, secret)
         self.port = flower.free_port()
-        self.grpc = flower.listen(self.manager, self.port)
+        self.grpc = flower.listen(self.manager, self.port, certificates)
 
     def run(self) -> dict[str, Any]:
         """Every round from the last checkpointed one on; returns the summary's fields."""

@@ -6,10 +6,11 @@ Flower's own pieces do the work: its gRPC server and client proxies, its `Server
 its `FedAvg` and `FedProx` strategies. Two thin layers adapt them: :class:`IdleClientManager` samples only among the
 devices that say they are idle, and :class:`DeltaStrategy` turns each device's change (pipeline.train.rank.fedwire)
 back into a model before the strategy averages, leaving out the devices that got busy and any change that does not
-fit the model. The server listens on the controller's loopback only; the devices reach it through their SSH
-connections (pipeline.train.cluster.federated), so only the inventory's devices, logged in with verified host keys,
-and local processes can connect at all; of those, only a client that answers with its device's token for this run
-(:func:`admitted`) is sampled or scores a model (docs/how-to/federated.md#security).
+fit the model. The server listens on the controller's loopback only, over TLS with a certificate of the run's own
+(pipeline.train.cluster.tls); the devices reach it through their SSH connections (pipeline.train.cluster.federated),
+so only the inventory's devices, logged in with verified host keys, and local processes can connect at all; of
+those, only a client that answers with its device's token for this run (:func:`admitted`) is sampled or scores a
+model (docs/how-to/federated.md#security).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.config import FederatedConfig
+from pipeline.train.cluster import tls
 from pipeline.train.rank import fedwire
 
 # Flower's usage reports to flower.ai: off unless the user turned them on, as on the devices (rank/federated.py).
@@ -61,9 +63,11 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def listen(manager: IdleClientManager, port: int) -> Any:
-    """Flower's gRPC server for the devices, on the controller's loopback only."""
-    return start_grpc_server(client_manager=manager, server_address=f"127.0.0.1:{port}")
+def listen(manager: IdleClientManager, port: int, certificates: tls.Certificates) -> Any:
+    """Flower's gRPC server for the devices, on the controller's loopback only, speaking TLS with the run's
+    certificate (:mod:`pipeline.train.cluster.tls`)."""
+    pems = (certificates.authority, certificates.server, certificates.server_key)
+    return start_grpc_server(client_manager=manager, server_address=f"{tls.HOST}:{port}", certificates=pems)
 
 
 def admitted(secret: bytes, node: str, token: str) -> bool:

@@ -1,9 +1,10 @@
 """One device of federated training: a Flower client that trains on the device's own images, only while the device
 is idle, and sends back only how far it moved the global model.
 
-Started by the controller over SSH (``python -m pipeline.train.rank.federated --run-dir DIR --server HOST:PORT``),
-it connects to the Flower server through that SSH connection (a port on the device's loopback forwarded to the
-controller's) and answers the server's requests until the server ends the run:
+Started by the controller over SSH (``python -m pipeline.train.rank.federated --run-dir DIR --server HOST:PORT
+--authority PEM``), it connects to the Flower server through that SSH connection (a port on the device's loopback
+forwarded to the controller's), over TLS to a server the run's authority certified, and answers the server's
+requests until the server ends the run:
 
 - properties: whether the device is idle now (its window, `PIPELINE_IDLE_WINDOW`, on its own clock; its check
   command, `PIPELINE_IDLE_CHECK`, exit 0), its class names and image count, and its images' channel means and
@@ -227,18 +228,33 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.train.rank.federated", description=__doc__)
     parser.add_argument("--run-dir", type=Path, required=True, help="run directory holding config.json")
     parser.add_argument("--server", required=True, help="the Flower server, HOST:PORT")
+    parser.add_argument("--authority", type=Path, required=True, help="the run's TLS authority certificate (PEM)")
     args = parser.parse_args(argv)
     try:
         cfg = RunDir(args.run_dir).load_config()
         torch.set_num_threads(cfg.train.threads_per_rank)
         client = DeviceClient(cfg, os.environ.get(NODE_ENV, ""), os.environ.get(TOKEN_ENV, ""))
+        authority = _read_authority(args.authority)
     except PipelineError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
     images, classes = len(client.splits.train), len(client.splits.info.classes)
     print(f"{images} training images of {classes} classes; waiting for rounds", file=sys.stderr)
-    start_client(server_address=args.server, client=client, insecure=True, transport="grpc-bidi")
+    # TLS: only a server certified by the run's authority gets an answer (pipeline/train/cluster/tls.py).
+    start_client(
+        server_address=args.server, client=client, root_certificates=authority, insecure=False, transport="grpc-bidi"
+    )
     return 0
+
+
+def _read_authority(path: Path) -> bytes:
+    try:
+        pem = path.read_bytes()
+    except OSError as err:
+        raise PipelineError(f"--authority: cannot read {path}: {err.strerror}") from None
+    if b"-----BEGIN CERTIFICATE-----" not in pem:
+        raise PipelineError(f"--authority: {path} holds no PEM certificate")
+    return pem
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import pytest
 from pipeline import layout
 from pipeline.files import read_json
 from tests.digit_folders import write_digit_folders
+from tests.harness import JetsonTarget
 from tests.train.cluster.test_cluster import (
     inventory,
     jetson_fleet,
@@ -39,19 +40,31 @@ def rounds(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / layout.METRICS).read_text().splitlines()]
 
 
+def sent_by(target: JetsonTarget) -> int:
+    """Bytes the stand-in has sent on its link so far (the host end's receive counter)."""
+    assert target.link is not None
+    return int(Path(f"/sys/class/net/{target.link.host_if}/statistics/rx_bytes").read_text())
+
+
 def run_chain(jetson_fleet, tmp_path: Path, python: str | None = None) -> None:
     """Three cameras (whose interpreter is `python`, this venv's by default) train four rounds on their own skewed
     digits; consolidate and export take the result as they take any run's."""
     extra_dirs = {"python": subprocess.check_output([python, "-c", "import sys; print(sys.base_prefix)"], text=True)
                   .strip()} if python else {}  # fmt: skip
     fleet = start_cluster(jetson_fleet, 3, **extra_dirs)
-    write_digit_folders([t.disk / "digits" for t in fleet], alpha=0.5)
+    write_digit_folders([t.disk / "digits" for t in fleet], alpha=0.5, size=96)  # frames, scaled to 8 px to train
     inv = inventory(fleet, **({t.name.replace("-", "_"): {"python": python} for t in fleet} if python else {}))
     run_dir = tmp_path / "run"
     args = ("--set", "train.federated.rounds=4", "--set", "train.federated.local_epochs=2")
+    before = {t.name: sent_by(t) for t in fleet}
     out = run_cli("train", "--inventory", str(inv), "--run-dir", str(run_dir), *FEDERATED, *args, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert not Path(WHERE).exists()  # no image was ever on the controller
+    # Everything each camera sent during the run (SSH, Flower, TLS, its log lines: its link's own byte counter) is
+    # less than a tenth of its image files: no copy of its frames can have left it.
+    for t in fleet:
+        frames = sum(f.stat().st_size for f in (t.disk / "digits").rglob("*.png"))
+        assert sent_by(t) - before[t.name] < frames / 10, (t.name, sent_by(t) - before[t.name], frames)
     summary = read_json(run_dir / layout.SUMMARY)
     assert summary["mode"] == "federated" and summary["rounds"] == 4
     # What travelled: the fp32 model down to each camera, its change up in int8 (a quarter, and a few headers).

@@ -15,7 +15,7 @@ from flwr.client import start_client
 from flwr.common import EvaluateIns, EvaluateRes, FitIns, FitRes
 
 from pipeline.config import Config, load_config
-from pipeline.train.cluster import fedstate, flower
+from pipeline.train.cluster import fedstate, flower, tls
 from pipeline.train.rank.federated import DeviceClient, in_window
 from tests.digit_folders import write_digit_folders
 
@@ -63,19 +63,25 @@ def test_idle_devices_train_rounds_and_a_busy_one_sits_out(tmp_path: Path) -> No
     said: list[str] = []
     manager = flower.IdleClientManager(cfgs[0].train.federated, 0, said.append, secret)
     port = flower.free_port()
-    server = flower.listen(manager, port)
+    certificates = tls.issue(600)
+    server = flower.listen(manager, port, certificates)
+    address = {"server_address": f"127.0.0.1:{port}", "transport": "grpc-bidi"}
+    trusting = {"root_certificates": certificates.authority, "insecure": False}
     threads = [
-        threading.Thread(
-            target=start_client,
-            kwargs={"server_address": f"127.0.0.1:{port}", "client": c, "insecure": True, "transport": "grpc-bidi"},
-            daemon=True,
-        )
-        for c in clients
+        threading.Thread(target=start_client, kwargs={**address, **trusting, "client": c}, daemon=True) for c in clients
     ]
+    # Two clients of cam-0 that reach the port but not the server: one trusts another run's authority (it hangs up
+    # on this server), one speaks plain text (the server hangs up on it).
+    refused = [DeviceClient(cfgs[0], "cam-0", flower.token_for(secret, "cam-0"), lambda: "") for _ in range(2)]
+    elsewhere = {"root_certificates": tls.issue(600).authority, "insecure": False, "max_retries": 2}
+    failures: list[str] = []
+    for client, kwargs in zip(refused, (elsewhere, {"insecure": True, "max_retries": 2}), strict=True):
+        threads.append(threading.Thread(target=_refused, args=(client, {**address, **kwargs}, failures), daemon=True))
     for t in threads:
         t.start()
     try:
         assert manager.wait_for(4, timeout=60)
+        connected = len(manager.all())
         answers = list(manager.ask().values())
         assert sorted(a.node for a in answers) == ["cam-0", "cam-1", "cam-2"]  # the impostor is not admitted
         stats = flower.pooled_stats(answers)
@@ -111,6 +117,16 @@ def test_idle_devices_train_rounds_and_a_busy_one_sits_out(tmp_path: Path) -> No
     # Learning: above twice chance (10 classes) after one round (one fresh clone saw 0.294: it moves from run to
     # run), more after three.
     assert records[2]["val_accuracy"] > records[0]["val_accuracy"] > 0.2
+    # The two clients that could not check the server's certificate, or offered none, never joined the pool.
+    assert connected == 4 and len(failures) == 2 and all("UNAVAILABLE" in f for f in failures)
+
+
+def _refused(client: DeviceClient, kwargs: dict[str, object], failures: list[str]) -> None:
+    """Run a client expected to fail its TLS handshake; record how it ended."""
+    try:
+        start_client(client=client, **kwargs)  # type: ignore[arg-type]
+    except Exception as err:  # grpc's own error type, raised when its retries are spent
+        failures.append(str(err))
 
 
 def test_pooled_statistics_are_those_of_all_images_together() -> None:
