@@ -19,11 +19,13 @@ rank 0's part, so that no single device's loss takes the newest checkpoint with 
 
 from __future__ import annotations
 
+import inspect
 import os
 import pickle
 import re
 import shutil
 import sys
+import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -142,27 +144,10 @@ def _state(model: nn.Module, optim: Optimizer, outer: dict[str, torch.Tensor] | 
     return {"model": model_sd, "optim": optim_sd} | ({"outer": outer} if outer else {})
 
 
-def node_saves_work() -> bool:
-    """Whether this torch's DCP can save on a group whose first rank is not global rank 0 (`node_group`). torch 2.5
-    hands the group's rank of its coordinator to `gather_object`, which takes a global one, and fails (pytorch/pytorch
-    #141825); later versions keep the coordinator's global rank (`_DistWrapper.global_coordinator_rank`)."""
-    try:
-        from torch.distributed.checkpoint.utils import _DistWrapper
-
-        return hasattr(_DistWrapper(None, False, 0), "global_coordinator_rank")
-    except Exception:  # a private class: any change to it means the old, collective save
-        return False
-
-
-def per_node(strategy: str, device: torch.device) -> bool:
+def per_node(strategy: str) -> bool:
     """Whether each node saves a whole checkpoint of its own (:class:`Checkpointer`'s `per_node`): in cluster training
-    over SSH (:data:`PER_NODE_ENV`), under DDP, and where every rank's torch can (:func:`node_saves_work`, agreed by
-    an all-reduce: a mixed fleet saves alike, or its collectives part ways). Every rank calls it."""
-    if os.environ.get(PER_NODE_ENV) != "1" or strategy != "ddp":
-        return False
-    works = torch.tensor([int(node_saves_work())], device=device)
-    dist.all_reduce(works, op=dist.ReduceOp.MIN)
-    return bool(works.item())
+    over SSH (:data:`PER_NODE_ENV`), under DDP."""
+    return os.environ.get(PER_NODE_ENV) == "1" and strategy == "ddp"
 
 
 def node_group() -> dist.ProcessGroup:
@@ -197,9 +182,10 @@ class Checkpointer:
     starts. Every rank calls :meth:`save` and :meth:`wait` at the same points; :meth:`poll` (each step) and
     :meth:`settle` (on the way out after an error) are local.
 
-    `per_node` (replicated state only: DDP): the group is this node's ranks, so each node writes and commits a whole
-    checkpoint of its own under its own `root`, with no collective across nodes: the save of a device that is lost
-    takes no other device's with it, and costs no round over the link.
+    `per_node` (replicated state only: DDP): the ranks meet on a group of this node's ranks, and its first rank
+    writes the whole state alone, with no process group at all (:func:`_save_alone`), and commits it under the
+    node's own `root`: the save of a device that is lost takes no other device's with it, and costs no round over the
+    link.
     """
 
     def __init__(self, root: Path, keep: int, asynchronous: bool, per_node: bool = False) -> None:
@@ -234,11 +220,12 @@ class Checkpointer:
         # of the other ranks, so one that leaves after the save does not take the newest checkpoint with it.
         planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
         written: Future[Any]
-        if self.asynchronous:
+        if self.per_node:
+            written = _save_alone(state, target, self.asynchronous) if self.lead else _done()
+        elif self.asynchronous:
             written = dcp.async_save(state, checkpoint_id=target, process_group=self.group, planner=planner)
         else:
-            written = Future()
-            written.set_result(dcp.save(state, checkpoint_id=target, process_group=self.group, planner=planner))
+            written = _done(dcp.save(state, checkpoint_id=target, process_group=self.group, planner=planner))
         self._pending = (written, target, meta)
         if not self.asynchronous:
             self.wait()
@@ -277,6 +264,27 @@ class Checkpointer:
             write_json(target / TRAINER_JSON, meta)
             point_latest(self.root, target.name)
             prune(self.root, self.keep)
+
+
+def _save_alone(state: dict[str, Any], target: Path, asynchronous: bool) -> Future[Any]:
+    """Write the whole `state` from this rank alone: DCP with no process group, so no collective and no coordinator
+    but itself. torch 2.5 (JetPack 6) has `no_dist` only on the older `save_state_dict`, and no background form of it
+    (docs/torch-distributed.md#dcp-spreads-replicated-tensors-over-the-ranks)."""
+    with warnings.catch_warnings():
+        # "assuming the intent is to save in a single process": it is; and "deprecated": torch 2.5's only way to it.
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        if "no_dist" not in inspect.signature(dcp.save).parameters:
+            return _done(dcp.save_state_dict(state, storage_writer=dcp.FileSystemWriter(target), no_dist=True))
+        if asynchronous:
+            return dcp.async_save(state, checkpoint_id=target, no_dist=True)
+        return _done(dcp.save(state, checkpoint_id=target, no_dist=True))
+
+
+def _done(result: Any = None) -> Future[Any]:
+    written: Future[Any] = Future()
+    written.set_result(result)
+    return written
 
 
 def load(

@@ -177,7 +177,7 @@ class Trainer:
         self.bn_images = 0
         self.modes: batchnorm.ModeCheck | None = None
         # A save of each device's own has no collective across the link to hide in the background.
-        per_node = checkpoint.per_node(self.strategy, self.rt.device)
+        per_node = checkpoint.per_node(self.strategy)
         across = self.rt.world_size > int(os.environ.get("LOCAL_WORLD_SIZE", self.rt.world_size)) and not per_node
         background = checkpoint.background(train.checkpoint_async, self.rt.device, across)
         self.checkpointer = checkpoint.Checkpointer(self.ckpt_root, train.keep_checkpoints, background, per_node)

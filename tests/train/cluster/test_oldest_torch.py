@@ -13,9 +13,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch.distributed.checkpoint as dcp
 
 from pipeline import layout
 from pipeline.files import read_json
+from pipeline.train.rank import checkpoint
 from tests.harness import fixtures
 from tests.train.cluster.test_cluster import REPO, forwarding, inventory, marked_processes, run_cli, start_cluster
 from tests.train.cluster.test_federated import run_chain
@@ -46,6 +48,12 @@ def test_python_3_10_and_torch_2_5_devices_train_and_the_controller_goes_on(
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = read_json(run_dir / layout.SUMMARY)
     assert summary["world_size"] == 2 and summary["val_accuracy"] >= 0.9, summary
+    for target in fleet:  # each device committed whole checkpoints of its own, not only rank 0's (_save_alone)
+        [device_run] = (target.disk / "train/runs").iterdir()
+        newest = checkpoint.latest(device_run / layout.CHECKPOINTS)
+        assert newest is not None and (newest / checkpoint.TRAINER_JSON).is_file(), target.name
+        files = dcp.FileSystemReader(newest).read_metadata().storage_data.values()
+        assert {f.relative_path for f in files} == {"__0_0.distcp"}, target.name
     for stage in ("consolidate", "export"):  # the controller's torch reads the checkpoint torch 2.5 wrote
         done = run_cli(stage, "--run-dir", str(run_dir), cwd=tmp_path)
         assert done.returncode == 0, done.stdout + done.stderr
