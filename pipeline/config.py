@@ -295,8 +295,10 @@ class TrainConfig(Section):
     """Device temperature (°C) above which each rank halves its micro-batch and doubles accumulation (again at each
     hot reading; the global batch stays the same), and steps back once 5 °C cooler; unset: off. A CUDA out-of-memory
     error halves it too and retries the step (safe when it strikes before the step's synchronising backward pass,
-    where it almost always does: that is where activations peak). Step lines in train/metrics.jsonl record
-    `accumulation`, `micro_batch`, `batch`, `temperature_c` and `batch_event`."""
+    where it almost always does: that is where activations peak). Under FSDP, whose every micro-batch meets all the
+    ranks, they split alike, as the hottest says, and an out-of-memory error stops the run with the accumulation to
+    set. Step lines in train/metrics.jsonl record `accumulation`, `micro_batch`, `batch`, `temperature_c` and
+    `batch_event`."""
     thermal_path: Path | None = None
     """File to read the temperature from (millidegrees or degrees, like a Jetson thermal zone); unset: the hottest
     `/sys/class/thermal/thermal_zone*/temp`, else `nvidia-smi`."""

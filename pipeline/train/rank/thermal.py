@@ -2,14 +2,22 @@
 
 Above `train.thermal_limit_c` the controller halves each rank's micro-batch and doubles gradient accumulation;
 once the device is `HYSTERESIS_C` below the limit it steps back. A CUDA out-of-memory error does the same, and the
-step is retried. Each rank decides for itself: accumulation only changes how many local backward passes precede
-the one synchronising backward, so ranks need not agree, and no collective is spent on it.
+step is retried.
+
+Under DDP each rank decides for itself: accumulation only changes how many local backward passes precede the one
+synchronising backward, so ranks need not agree, and no collective is spent on it. Under FSDP every micro-batch's
+forward and backward gather parameters with every rank, so all must run as many: the ranks agree at each check (one
+all-reduce of what each wants; the hottest rank's wins), and an out-of-memory error is not retried (one rank alone
+cannot change its count; its error stops the run rather than leaving the others waiting in a collective).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
 
 from pipeline import host
 
@@ -53,12 +61,22 @@ def sensor(path: Path | None) -> Callable[[], float | None]:
 
 
 class Controller:
-    """Decides each step's accumulation (micro-batches per rank): the configured one times 1 up to `max_factor`."""
+    """Decides each step's accumulation (micro-batches per rank): the configured one times 1 up to `max_factor`.
+
+    `agree`, where the ranks must run as many micro-batches (FSDP): takes the factor this rank wants and returns the
+    one every rank runs, the largest; a collective, called on every rank at the same steps."""
 
     def __init__(
-        self, base: int, limit_c: float | None, read: Callable[[], float | None], every: int, max_factor: int
+        self,
+        base: int,
+        limit_c: float | None,
+        read: Callable[[], float | None],
+        every: int,
+        max_factor: int,
+        agree: Callable[[int], int] | None = None,
     ) -> None:
         self.base, self.limit_c, self.read, self.every, self.max_factor = base, limit_c, read, every, max_factor
+        self.agree = agree
         self.factor = 1
         self.last_c: float | None = None
 
@@ -72,19 +90,39 @@ class Controller:
         if self.limit_c is None or step % self.every:
             return None
         self.last_c = self.read()
-        if self.last_c is None:
+        wanted = self._wanted(self.last_c, self.limit_c)
+        factor = wanted if self.agree is None else self.agree(wanted)
+        if factor == self.factor:
             return None
-        if self.last_c > self.limit_c and self.factor < self.max_factor:
-            self.factor *= 2
+        grew, self.factor = factor > self.factor, factor
+        if factor != wanted or self.last_c is None:
+            return f"another rank's heat: accumulation {self.accumulation}"
+        if grew:
             return f"{self.last_c:.1f} °C > {self.limit_c:.1f} °C: accumulation {self.accumulation}"
-        if self.last_c < self.limit_c - HYSTERESIS_C and self.factor > 1:
-            self.factor //= 2
-            return f"{self.last_c:.1f} °C, cool again: accumulation {self.accumulation}"
-        return None
+        return f"{self.last_c:.1f} °C, cool again: accumulation {self.accumulation}"
+
+    def _wanted(self, celsius: float | None, limit_c: float) -> int:
+        if celsius is not None and celsius > limit_c and self.factor < self.max_factor:
+            return self.factor * 2
+        if celsius is not None and celsius < limit_c - HYSTERESIS_C and self.factor > 1:
+            return self.factor // 2
+        return self.factor
 
     def out_of_memory(self) -> str | None:
-        """Halve the micro-batch after an OOM; None when it cannot shrink further (the error then stands)."""
-        if self.factor >= self.max_factor:
+        """Halve the micro-batch after an OOM; None when it cannot shrink further, or the ranks must agree (`agree`):
+        the error then stands."""
+        if self.factor >= self.max_factor or self.agree is not None:
             return None
         self.factor *= 2
         return f"out of memory: accumulation {self.accumulation}"
+
+
+def agree_max(device: torch.device) -> Callable[[int], int]:
+    """:class:`Controller`'s `agree` over the default process group: the largest factor any rank wants."""
+
+    def agree(wanted: int) -> int:
+        most = torch.tensor([wanted], device=device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return int(most.item())
+
+    return agree

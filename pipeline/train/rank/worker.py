@@ -169,7 +169,9 @@ class Trainer:
         self.event: str | None = None
         sensor = thermal.sensor(train.thermal_path)
         limit, every = train.thermal_limit_c, train.thermal_every_steps
-        self.thermal = thermal.Controller(train.accumulation, limit, sensor, every, max_factor=self.batch)
+        # FSDP's micro-batches meet every rank: the ranks agree on their count (pipeline/train/rank/thermal.py).
+        agree = thermal.agree_max(self.rt.device) if self.strategy == "fsdp" else None
+        self.thermal = thermal.Controller(train.accumulation, limit, sensor, every, self.batch, agree)
         self.steps_per_epoch = len(self.train_loader)
         self.total_steps = self.plan.epochs * self.steps_per_epoch
         self.warmup_steps = min(round(train.warmup_epochs * self.steps_per_epoch), self.total_steps)
@@ -255,6 +257,12 @@ class Trainer:
                 return self._step(x, y, lr)
             except torch.OutOfMemoryError:
                 why = self.thermal.out_of_memory()
+                if why is None and self.thermal.agree is not None:
+                    need = self.thermal.accumulation * 2
+                    raise PipelineError(
+                        f"out of memory under FSDP, whose micro-batches every rank runs alike: set "
+                        f"train.accumulation = {need} (or a smaller train.batch_size)"
+                    ) from None
                 if why is None:
                     raise
                 self.note(why)

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 import models
 from pipeline import data, layout
 from pipeline.config import Config, validate
+from pipeline.errors import PipelineError
 from pipeline.files import read_json, write_json
 from pipeline.train.rank import runtime, stepping, strategy
 from pipeline.train.rank.worker import Trainer
@@ -98,6 +99,20 @@ def _check_heat(root: Path, rt: runtime.Runtime) -> None:
     Trainer(cfg, root / "hot", rt).fit()
 
 
+def _check_fsdp_heat(root: Path, rt: runtime.Runtime) -> None:
+    """FSDP with rank 1 alone hot (each rank its own temperature file): its micro-batches meet rank 0's, so both
+    must split alike or neither finishes."""
+    temp = root / f"temp-{rt.rank}"
+    temp.write_text("90000\n" if rt.rank == 1 else "40000\n")
+    cfg = case("fsdp", strategy="fsdp", thermal_limit_c=80.0, thermal_path=str(temp), thermal_every_steps=5)
+    Trainer(cfg, root / "fsdp-hot", rt).fit()
+    # Out of memory under FSDP is not retried on one rank alone (the others would wait in its collectives).
+    try:
+        _OutOfMemoryAbove(CASES["fsdp"], root / "fsdp-oom", rt).fit()
+    except PipelineError as err:
+        (root / f"fsdp-oom.{rt.rank}").write_text(str(err))
+
+
 OOM_ABOVE = 16
 """Micro-batch size above which the model below raises CUDA's out-of-memory error."""
 
@@ -145,6 +160,7 @@ def train_cases(root: Path, fast: bool) -> None:
     try:
         if fast:
             _check_oom(root, rt)
+            _check_fsdp_heat(root, rt)
         else:
             _check_initial_weights(root, rt)
             _check_mid_epoch_resume(root, rt)
@@ -324,6 +340,21 @@ def test_heat_shrinks_the_micro_batch_but_not_the_global_batch(runs: Path) -> No
     assert [bool(r["batch_event"]) for r in steps] == [i in (0, 5, 10) for i in range(12)]
     assert [r["comm_bytes"] for r in steps] == [r["comm_bytes"] for r in cool]  # still one sync per step
     assert steps[-1]["loss"] == pytest.approx(cool[-1]["loss"], rel=0.1)
+
+
+def test_under_fsdp_one_hot_rank_splits_every_ranks_micro_batch_and_the_run_ends(runs: Path) -> None:
+    # Rank 0's log: its own sensor reads 40 °C, rank 1's 90 °C against 80.
+    steps = [json.loads(x) for x in (runs / "fsdp-hot" / layout.METRICS).read_text().splitlines() if '"step"' in x]
+    assert [r["accumulation"] for r in steps] == [2] * 5 + [4] * 5 + [8] * 2
+    assert [r["batch_event"] for r in steps if r["batch_event"]] == [
+        f"another rank's heat: accumulation {n}" for n in (2, 4, 8)
+    ]
+    assert {r["temperature_c"] for r in steps} == {40.0}
+    for rank in (0, 1):  # each rank says so, in one line, rather than waiting on the other
+        assert (runs / f"fsdp-oom.{rank}").read_text() == (
+            "out of memory under FSDP, whose micro-batches every rank runs alike: set train.accumulation = 2 "
+            "(or a smaller train.batch_size)"
+        )
 
 
 def _shard_resnet_in_bf16() -> None:

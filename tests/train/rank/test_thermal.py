@@ -34,3 +34,17 @@ def test_out_of_memory_halves_until_it_cannot() -> None:
 def test_unreadable_sensor_changes_nothing(tmp_path: Path) -> None:
     ctl = thermal.Controller(base=1, limit_c=50.0, read=thermal.sensor(tmp_path / "absent"), every=1, max_factor=8)
     assert ctl.check(0) is None and ctl.accumulation == 1 and ctl.last_c is None
+
+
+def test_ranks_that_must_split_alike_follow_the_hottest_and_do_not_retry_alone() -> None:
+    """FSDP's case (its `agree` is an all-reduce MAX; tests/train/rank/test_strategy.py runs it on two ranks)."""
+    wanted: list[int] = []
+
+    def agree(factor: int) -> int:
+        wanted.append(factor)
+        return max(factor, 4)  # another rank is hotter
+
+    ctl = thermal.Controller(base=1, limit_c=70.0, read=lambda: 40.0, every=1, max_factor=8, agree=agree)
+    assert ctl.check(0) == "another rank's heat: accumulation 4" and wanted == [1]
+    assert ctl.check(1) is None and wanted == [1, 2]  # this rank is cool: it asks for half, the other holds 4
+    assert ctl.out_of_memory() is None and ctl.accumulation == 4
