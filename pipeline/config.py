@@ -308,9 +308,13 @@ class TrainConfig(Section):
     """Random translation of training batches by up to this many pixels (0: off); each rank draws its own shifts
     from a seed derived from `run.seed`, its rank and the step, so a resumed run draws the same ones."""
     nproc_per_node: int = Field(2, ge=1, le=1024)
-    """Ranks started on this node: one per GPU with nccl, or this many CPU ranks with gloo."""
+    """Ranks started on this node: each takes a GPU of its own where there are GPUs (whichever the backend), else
+    this many CPU ranks."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """Process-group backend; `auto` is nccl when CUDA is present, gloo otherwise."""
+    """Process-group backend; `auto` is nccl when CUDA is present and torch was built with NCCL, gloo otherwise
+    (NVIDIA's torch for JetPack has no NCCL: its ranks train on the GPU and exchange through gloo). In cluster
+    training every device's ranks use one: gloo as soon as any device lacks NCCL; nccl set where a device lacks
+    it is refused before anything starts, naming the device."""
     threads_per_rank: int = Field(1, ge=1, le=1024)
     """torch intra-op threads per CPU rank; keeps 2 ranks from fighting over 2 cores."""
     checkpoint_async: bool | None = None

@@ -150,15 +150,25 @@ def _clocks():
 
 
 def _torch():
-    """torch's version, CUDA version and GPU name; importing torch takes seconds, so only when it is there."""
+    """torch's version, CUDA version, GPU name and the torch.distributed backends it was built with (NVIDIA's torch
+    for JetPack has no NCCL); importing torch takes seconds, so only when it is there."""
     if importlib.util.find_spec("torch") is None:
-        return {"torch": "", "cuda": "", "gpu": ""}
+        return {"torch": "", "cuda": "", "gpu": "", "backends": []}
     try:
         import torch
     except Exception as err:  # a broken install is a finding, not a crash of the check
-        return {"torch": "", "cuda": "", "gpu": "", "torch_error": str(err).splitlines()[0]}
+        return {"torch": "", "cuda": "", "gpu": "", "backends": [], "torch_error": str(err).splitlines()[0]}
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
-    return {"torch": torch.__version__, "cuda": torch.version.cuda or "", "gpu": gpu}
+    return {"torch": torch.__version__, "cuda": torch.version.cuda or "", "gpu": gpu, "backends": _backends(torch)}
+
+
+def _backends(torch):
+    """The process-group backends compiled into this torch; none when it has no torch.distributed at all."""
+    dist = torch.distributed
+    if not dist.is_available():
+        return []
+    found = (("gloo", dist.is_gloo_available), ("nccl", dist.is_nccl_available), ("mpi", dist.is_mpi_available))
+    return [name for name, available in found if available()]
 
 
 def report(root):

@@ -97,6 +97,8 @@ def problems(facts: dict[str, Any], version: str, python: str) -> list[str]:
         found.append(f"Python {facts.get('python')} ({python}) is older than 3.10")
     if facts.get("torch") and _version(facts["torch"]) < MIN_TORCH:
         found.append(f"torch {facts['torch']} is older than 2.5")
+    if facts.get("torch") and facts.get("backends") == []:
+        found.append(f"torch {facts['torch']} was built without torch.distributed")
     if facts.get("missing"):
         found.append(f"missing Python packages {', '.join(facts['missing'])}: install with `{install(facts, python)}`")
     if facts.get("code_version") != version:
@@ -133,6 +135,7 @@ class NodeCheck:
             "torch": f.get("torch"),
             "cuda": f.get("cuda"),
             "gpu": f.get("gpu"),
+            "backends": " ".join(f.get("backends", [])),
             "mem_free": _mb(f.get("mem_free")),
             "disk_free": _mb(f.get("disk_free")),
             "power_mode": f.get("power_mode"),
@@ -217,6 +220,28 @@ def refuse_unready(nodes: list[NodeCheck], strategy: str = "ddp") -> None:
                 f"{node.target.name}: refused: train.strategy=fsdp needs a GPU with torch {torch} "
                 "(its FSDP2 runs on a CPU from torch 2.6); use ddp"
             )
+
+
+def choose_backend(nodes: list[NodeCheck], wanted: str) -> str:
+    """The process-group backend every device's ranks use (`train.backend`): `auto` is nccl when every device has a
+    GPU and a torch built with NCCL, gloo otherwise (NVIDIA's torch for JetPack has no NCCL: docs/torch-distributed.md
+    #no-nccl-on-jetson); nccl where a device cannot is one line naming it (exit 2), before anything starts."""
+    for node in nodes:
+        lacks = lacks_nccl(node)
+        if lacks and wanted == "nccl":
+            raise PipelineError(f"train.backend: nccl, but {node.target.name} {lacks}; use gloo or auto")
+        if lacks:
+            return "gloo"
+    return "gloo" if wanted == "gloo" else "nccl"
+
+
+def lacks_nccl(node: NodeCheck) -> str:
+    """Why the device cannot train on nccl, or "" when it can."""
+    if not node.facts.get("gpu"):
+        return "has no GPU"
+    if "nccl" not in node.facts.get("backends", []):
+        return f"runs torch {node.facts.get('torch')}, built without NCCL (as NVIDIA's torch for JetPack is)"
+    return ""
 
 
 def refusal(target: SshTarget, err: Refused) -> PipelineError:

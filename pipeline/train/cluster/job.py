@@ -22,11 +22,11 @@ from pipeline.files import first_line, fsync_dir
 from pipeline.fleet import upload
 from pipeline.fleet.ssh import FAILURES
 from pipeline.safe_dcp import read_metadata
-from pipeline.train.cluster import NodeCheck, bounds, check_one, nodedata, python_path, run_key
+from pipeline.train.cluster import NodeCheck, bounds, check_one, lacks_nccl, nodedata, python_path, run_key
 from pipeline.train.cluster.agent import Printer, agent_script, env_file, torchrun_command
 from pipeline.train.cluster.node import Node
 from pipeline.train.rank import checkpoint
-from pipeline.train.rank.runtime import DATA_LOCAL_ENV, DATA_PATH_ENV
+from pipeline.train.rank.runtime import BACKEND_ENV, DATA_LOCAL_ENV, DATA_PATH_ENV
 from pipeline.train.rank.store import RANKS_STORE_ENV
 
 POLL_S = 2.0
@@ -86,10 +86,13 @@ class Job:
         workdir: Path,
         printer: Printer,
         dataset: upload.Bundle | None = None,
+        backend: str = "gloo",
     ) -> None:
         self.cfg, self.run_dir, self.code, self.workdir = cfg, run_dir, code, workdir
         self.dataset = dataset
         """The controller's image folder, sent to each device before it trains (`data.sync`); None: not sent."""
+        self.backend = backend
+        """The process-group backend every rank uses (pipeline.train.cluster.choose_backend)."""
         self.sent = {"code": sum(n.bytes_sent for n in nodes), "data": 0, "checkpoints": 0}
         """Bytes sent to the devices, by what they were: what it cost to start (and restart) the job."""
         self.minimum, self.maximum = bounds(cfg.train.devices, len(nodes))
@@ -269,6 +272,7 @@ class Job:
             "OMP_NUM_THREADS": str(self.cfg.train.threads_per_rank),
             RANKS_STORE_ENV: f"127.0.0.1:{node.store_port}",
             checkpoint.PER_NODE_ENV: "1",
+            BACKEND_ENV: self.backend,
         }
         if nodedata.node_local(self.cfg):
             env[DATA_LOCAL_ENV] = "1"
@@ -302,7 +306,9 @@ class Job:
         """Check the devices that left again; up to `room` of them that are ready."""
         checks = await asyncio.gather(*(check_one(c.target, self.code, self.workdir) for c in self.away))
         self.sent["code"] += sum(c.bytes_sent for c in checks)
-        return [c for c in checks if c.status == "ready"][:room]
+        # A device back with a torch of another build is left out when it cannot join the job's backend.
+        fit = [c for c in checks if c.status == "ready" and (self.backend != "nccl" or not lacks_nccl(c))]
+        return fit[:room]
 
     async def _collect_newest(self, members: list[Node], paced: bool = False) -> None:
         """Copy the newest checkpoint the reachable devices committed, if it is newer than the controller's;

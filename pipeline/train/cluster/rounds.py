@@ -22,7 +22,16 @@ from pipeline.errors import PipelineError
 from pipeline.files import read_json, write_json
 from pipeline.fleet.inventory import Inventory, SshTarget, load_inventory
 from pipeline.fleet.ssh import Device, Refused
-from pipeline.train.cluster import bounds, check_all, code_bundle, nodedata, python_path, refusal, refuse_unready
+from pipeline.train.cluster import (
+    bounds,
+    check_all,
+    choose_backend,
+    code_bundle,
+    nodedata,
+    python_path,
+    refusal,
+    refuse_unready,
+)
 from pipeline.train.cluster.agent import Printer
 from pipeline.train.cluster.job import Job
 from pipeline.train.rank import checkpoint
@@ -65,10 +74,11 @@ async def _train(cfg: Config, run_dir: Path, inventory: Inventory, workdir: Path
     code = code_bundle(workdir)
     checks = await check_all(inventory, code, workdir)
     refuse_unready(checks, cfg.train.strategy)  # one line, exit 2, before anything starts anywhere
+    backend = choose_backend(checks, cfg.train.backend)  # one for all: a mixed fleet's ranks must agree
     data_record: dict[str, Any] = {"mode": "sent", "id": dataset.id} if dataset is not None else {}
     if nodedata.node_local(cfg):
         data_record = nodedata.record(await node_data([c.target for c in checks], cfg, code.id))
-    job = Job(cfg, run_dir, checks, code, workdir, output, dataset)
+    job = Job(cfg, run_dir, checks, code, workdir, output, dataset, backend)
     cluster, seconds = await _hosted(job, cfg.train.timeout_s)
     if data_record:
         cluster["data"] = data_record

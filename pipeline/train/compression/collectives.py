@@ -34,16 +34,25 @@ def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         t.detach().copy_(part.view_as(t))
 
 
+def gatherable(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """`tensor` as the group's backend can gather it: under gloo, whose gather and all-gather take CPU tensors only
+    (docs/torch-distributed.md#no-nccl-on-jetson), a CUDA tensor's copy in host memory; else the tensor itself."""
+    return tensor.cpu() if tensor.is_cuda and dist.get_backend(group) == "gloo" else tensor
+
+
 def star_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
     """Sum `flat` over the ranks in place through the group's first rank: gathered to it, summed there in rank order,
     broadcast back. Every rank ends with the same bits."""
     root = dist.get_global_rank(group, 0) if group is not None else 0
     world = dist.get_world_size(group)
-    parts = [torch.empty_like(flat) for _ in range(world)] if dist.get_rank() == root else None
-    dist.gather(flat, parts, dst=root, group=group)
+    sent = gatherable(flat, group)
+    parts = [torch.empty_like(sent) for _ in range(world)] if dist.get_rank() == root else None
+    dist.gather(sent, parts, dst=root, group=group)
     if parts is not None:
-        torch.sum(torch.stack(parts), dim=0, out=flat)
-    dist.broadcast(flat, src=root, group=group)
+        torch.sum(torch.stack(parts), dim=0, out=sent)
+    dist.broadcast(sent, src=root, group=group)
+    if sent is not flat:
+        flat.copy_(sent)
 
 
 def all_reduce_flat(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None, star: bool = True) -> None:

@@ -181,7 +181,7 @@ class Gathering:
             self.work.wait()
         n = sum(self.sizes)
         mean = [torch.zeros_like(t) for t in like]
-        for part in self.parts:
+        for part in (p.to(like[0].device) for p in self.parts):  # in host memory when gathered by gloo
             their_scales = part[n:].clone().view(torch.float32)
             for m, q, s in zip(mean, part[:n].split(self.sizes), their_scales, strict=True):
                 m.add_(q.view_as(m).to(m.dtype) * s)
@@ -196,6 +196,7 @@ def gather_int8(
     when `wait`), the new residual and the bytes this rank sent."""
     quantised, scales, residual = quantise_int8(changes, residual)
     payload = torch.cat([torch.cat([q.flatten() for q in quantised]), scales.view(torch.int8)])
+    payload = collectives.gatherable(payload, group)
     parts = [torch.empty_like(payload) for _ in range(dist.get_world_size(group))]
     work = dist.all_gather(parts, payload, group=group, async_op=not wait)
     return Gathering(parts, work, [c.numel() for c in changes]), residual, payload.numel()

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeline.train.compression import collectives
 from pipeline.train.compression.method import (
     Bucket,
     CommCounter,
@@ -65,9 +66,10 @@ class SparseState:
         future holds `decode` of them. One collective per bucket, issued in DDP's bucket order on every rank, so
         ranks agree on the order without waiting (docs/torch-distributed.md#all-gather-hooks-keyed-by-bucket)."""
         self.counter.add(payload.numel() * payload.element_size())
-        out = [torch.empty_like(payload) for _ in range(dist.get_world_size(self.group))]
-        work = dist.all_gather(out, payload, group=self.group, async_op=True)
-        return work.get_future().then(lambda _: decode(out))
+        device, sent = payload.device, collectives.gatherable(payload, self.group)
+        out = [torch.empty_like(sent) for _ in range(dist.get_world_size(self.group))]
+        work = dist.all_gather(out, sent, group=self.group, async_op=True)
+        return work.get_future().then(lambda _: decode([o.to(device) for o in out]))
 
 
 class _LocalSparse(SparseState):

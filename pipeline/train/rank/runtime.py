@@ -62,12 +62,27 @@ class Runtime:
         return contextlib.nullcontext()
 
 
+BACKEND_ENV = "PIPELINE_BACKEND"
+"""Set by cluster training to the backend every device's ranks use (pipeline.train.cluster.choose_backend)."""
+
+
 def resolve_backend(cfg: TrainConfig) -> str:
-    """`auto` is nccl when CUDA is present, gloo otherwise; an explicit nccl without CUDA is a config error."""
+    """The cluster's agreed backend (:data:`BACKEND_ENV`) if any; else `auto` is nccl when CUDA is present and this
+    torch has NCCL (NVIDIA's torch for JetPack has not: docs/torch-distributed.md#no-nccl-on-jetson), gloo
+    otherwise; an explicit nccl without either is a config error."""
+    agreed = os.environ.get(BACKEND_ENV)
+    if agreed:
+        return agreed
+    nccl = dist.is_available() and dist.is_nccl_available()
     if cfg.backend == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
+        return "nccl" if torch.cuda.is_available() and nccl else "gloo"
     if cfg.backend == "nccl" and not torch.cuda.is_available():
         raise PipelineError("train.backend: nccl needs CUDA, which this node does not have (use gloo or auto)")
+    if cfg.backend == "nccl" and not nccl:
+        raise PipelineError(
+            f"train.backend: nccl, but torch {torch.__version__} was built without NCCL (as NVIDIA's torch for "
+            "JetPack is); use gloo or auto"
+        )
     return cfg.backend
 
 
@@ -81,9 +96,11 @@ def resolve_precision(cfg: TrainConfig, device: torch.device) -> str:
 
 
 def init(cfg: TrainConfig) -> Runtime:
-    """Join the process group torchrun describes in the environment; one GPU per local rank under nccl."""
+    """Join the process group torchrun describes in the environment; one GPU per local rank where there are GPUs,
+    whichever the backend (a Jetson trains on its GPU with gloo's collectives: docs/torch-distributed.md
+    #no-nccl-on-jetson)."""
     backend = resolve_backend(cfg)
-    if backend == "nccl":
+    if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     else:

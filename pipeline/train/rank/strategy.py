@@ -108,6 +108,11 @@ def choose(model: nn.Module, sample: torch.Tensor, batch: int, cfg: TrainConfig,
     """The strategy to use, and why (`auto` decides from :func:`estimate`; an explicit choice is kept)."""
     if cfg.strategy == "fsdp" and NEEDS_CUDA and rt.device.type != "cuda":
         raise PipelineError(f"train.strategy=fsdp: torch {torch.__version__}'s FSDP2 needs CUDA; use ddp here")
+    # gloo gathers and scatters no CUDA tensors, and FSDP's every collective does (docs/torch-distributed.md
+    # #no-nccl-on-jetson): on a GPU without NCCL only DDP trains.
+    no_fsdp = rt.backend == "gloo" and rt.device.type == "cuda"
+    if cfg.strategy == "fsdp" and no_fsdp:
+        raise PipelineError("train.strategy=fsdp: on a GPU it needs the nccl backend; these ranks run gloo: use ddp")
     if cfg.strategy != "auto":
         return cfg.strategy, "set in train.strategy"
     est = estimate(model, sample, batch, cfg, rt)
@@ -116,6 +121,8 @@ def choose(model: nn.Module, sample: torch.Tensor, batch: int, cfg: TrainConfig,
         return "ddp", f"DDP needs ~{mib['ddp']} per rank, within the {mib['budget']} budget"
     if NEEDS_CUDA and rt.device.type != "cuda":
         return "ddp", f"DDP needs ~{mib['ddp']} > {mib['budget']}, but torch {torch.__version__}'s FSDP2 needs CUDA"
+    if no_fsdp:
+        return "ddp", f"DDP needs ~{mib['ddp']} > {mib['budget']}, but FSDP on a GPU needs nccl, and this is gloo"
     if not registry.method(cfg).fsdp:
         return "ddp", f"DDP needs ~{mib['ddp']} > {mib['budget']}, but compression {cfg.compression} needs DDP"
     return "fsdp", f"DDP needs ~{mib['ddp']} > {mib['budget']} budget; FSDP needs ~{mib['fsdp']} per rank"
