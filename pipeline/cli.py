@@ -375,11 +375,21 @@ CLUSTER_COLUMNS = (
     Col("torch"),
     Col("cuda", optional=True),
     Col("gpu", text=True, optional=True),
+    Col("backends"),
     Col("mem_free", "mem free", optional=True, justify="right"),
     Col("disk_free", "disk free", optional=True, justify="right"),
     Col("code"),
     *(Col(key, wide=True) for key in ("power_mode", "gpu_mhz", "cpu0_mhz", "missing", "install", "bytes_sent")),
     Col("reason", text=True, below=True),
+)
+SELFTEST_COLUMNS = (
+    *CLUSTER_COLUMNS[:-1],
+    Col("selftest", "self-test"),
+    Col("all_reduce_ms", "all-reduce ms", justify="right"),
+    Col("train_step_ms", "step ms", justify="right"),
+    Col("inference"),
+    Col("inference_ms", "inference ms", justify="right"),
+    CLUSTER_COLUMNS[-1],
 )
 
 
@@ -390,20 +400,40 @@ def cluster_check(
     set_: SetOpt = None,
     wide: WideOpt = False,
     as_json: JsonOpt = False,
+    deep: Annotated[
+        bool,
+        typer.Option(
+            "--deep",
+            help="Also run each device's self-test: the job's backend with one peer, one training step of the "
+            "config's model, one inference of its installed release; each timed.",
+        ),
+    ] = False,
 ) -> None:
-    """Check every device for training: Python, torch, CUDA, GPU, free memory and disk, power mode and clocks,
-    missing packages (with the command that installs them) and the code version, which it ships to them first.
-    Exits 2, naming the first device that cannot train, when any cannot."""
+    """Check every device for training: Python, torch, CUDA, GPU, the distributed backends, free memory and disk,
+    power mode and clocks, missing packages (with the command that installs them) and the code version, which it
+    ships to them first. Exits 2, naming the first device that cannot train (or, with --deep, whose self-test
+    failed), when any cannot."""
     from pipeline.config import load_config
     from pipeline.fleet.inventory import load_inventory
     from pipeline.train import cluster
+    from pipeline.train.cluster import selftest
 
-    path = inventory or load_config(config, set_).train.inventory
+    cfg = load_config(config, set_)
+    path = inventory or cfg.train.inventory
     if path is None:
         raise PipelineError("cluster check: needs --inventory (or train.inventory in the config)")
     nodes = cluster.check(load_inventory(path))
-    print_rows(console, [node.row() for node in nodes], CLUSTER_COLUMNS, wide=wide, as_json=as_json)
-    cluster.refuse_unready(nodes)
+    rows = [node.row() for node in nodes]
+    if not deep or any(node.status != "ready" for node in nodes):
+        print_rows(console, rows, CLUSTER_COLUMNS, wide=wide, as_json=as_json)
+        cluster.refuse_unready(nodes)
+        return
+    found = {row["target"]: row for row in selftest.deep(cfg, nodes, nodes[0].facts["code_version"])}
+    merged = [row | {k: v for k, v in found[row["target"]].items() if k != "status"} for row in rows]
+    for row in merged:
+        row["selftest"] = found[row["target"]]["status"]
+    print_rows(console, merged, SELFTEST_COLUMNS, wide=wide, as_json=as_json)
+    selftest.refuse_failed(list(found.values()))
 
 
 RUN_COLUMNS = (

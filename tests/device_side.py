@@ -21,7 +21,7 @@ from pathlib import Path
 
 import grimp
 
-ENTRIES = ("pipeline.train.rank.worker", "pipeline.train.rank.federated")
+ENTRIES = ("pipeline.train.rank.worker", "pipeline.train.rank.federated", "pipeline.train.rank.selftest")
 
 
 def _source(module: str) -> Path:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +32,13 @@ def check(release: Path, atol: float, atol_fp16: float) -> dict[str, Any]:
         with np.load(release / SAMPLE_NAME) as sample:
             x, expected = sample["input"], sample["logits"]
         classes = len((release / LABELS).read_text().splitlines())
+        started = time.perf_counter()  # loading the model and one batch through it: what a restart costs
         logits = _run_engine(engine, x) if use_engine else _run_onnx(release / ONNX_NAME, x)
+        seconds = round(time.perf_counter() - started, 6)
     # Whatever stops the release from running (corrupt model, missing file, runtime error) is a failed check.
     except Exception as err:
         return {**base, "reason": f"{runtime} could not run the release: {first_line(err)}"}
-    return {**base, **compare(logits, expected, classes, tolerance)}
+    return {**base, **compare(logits, expected, classes, tolerance), "seconds": seconds}
 
 
 def compare(logits: np.ndarray, expected: np.ndarray, classes: int, atol: float) -> dict[str, Any]:
