@@ -323,9 +323,14 @@ class Job:
         newer = best > self.resumed_step() or (best >= 0 and checkpoint.latest(self.ckpt_root) is None)
         if not newer or (paced and time.monotonic() < self.next_copy):
             return
+        committed = {name for name, step in latest.items() if step == best}
+        # While a round runs, one not yet committed by every device waits: a device that has not started its save
+        # has no RNG file yet, and a checkpoint committed here without it stays so. The round's end takes what is.
+        if paced and committed != {node.name for node in members}:
+            return
         copying = 0.0
         with contextlib.suppress(*FAILURES):
-            copying = await self._collect(members, best, {name for name, step in latest.items() if step == best})
+            copying = await self._collect(members, best, committed)
         self.next_copy = time.monotonic() + copying * (1 / COPY_SHARE - 1)
 
     async def _collect(self, members: list[Node], step: int, committed: set[str]) -> float:

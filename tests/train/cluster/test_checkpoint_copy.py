@@ -158,7 +158,8 @@ def test_a_checkpoint_is_copied_from_a_device_that_committed_it_not_from_one_sti
     jetson_fleet, tmp_path: Path
 ):
     """Each device saves its own (DDP over SSH): node-2 is still writing step 3 (its data file half there, its RNG
-    file whole) when node-1 has committed it. Asked first, node-2 gives only its RNG file; the data is node-1's."""
+    file whole) when node-1 has committed it. While the round runs, the copy waits for node-2; at the round's end,
+    node-2, asked first, gives only its RNG file, and the data is node-1's."""
     fleet = jetson_fleet([TargetSpec("node-1"), TargetSpec("node-2")])
     targets = load_inventory(fleet.write_inventory()).targets
     job = Job(
@@ -172,15 +173,17 @@ def test_a_checkpoint_is_copied_from_a_device_that_committed_it_not_from_one_sti
     (writing / "__0_0.distcp").write_bytes(whole[: len(whole) // 2])
     torch.save(torch.get_rng_state(), writing / "rng-1.pt")
 
-    async def collect() -> None:
+    async def collect(paced: bool) -> None:
         nodes = [await Node.connect(NodeCheck(t), job.key, 1, LINK_TIMEOUT_S) for t in reversed(targets)]
         try:
-            await job._collect_newest(nodes)  # node-2 first
+            await job._collect_newest(nodes, paced=paced)  # node-2 first
         finally:
             for node in nodes:
                 await node.close()
 
-    asyncio.run(collect())
+    asyncio.run(collect(paced=True))  # while the round runs, it waits until every device has committed it
+    assert checkpoint.latest(job.ckpt_root) is None and not (job.ckpt_root / STEP).exists()
+    asyncio.run(collect(paced=False))  # the round's end (node-2 lost, say) takes what there is
     assert checkpoint.latest(job.ckpt_root) == (job.ckpt_root / STEP).resolve()
     assert (job.ckpt_root / STEP / "__0_0.distcp").read_bytes() == whole
     assert files_under(job.ckpt_root / STEP) == [
