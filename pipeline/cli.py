@@ -418,8 +418,8 @@ def cluster_check(
     from pipeline.train import cluster
     from pipeline.train.cluster import selftest
 
-    cfg = load_config(config, set_)
-    path = inventory or cfg.train.inventory
+    cfg = load_config(config, set_) if deep or inventory is None else None  # the self-test trains its model
+    path = inventory or (cfg.train.inventory if cfg else None)
     if path is None:
         raise PipelineError("cluster check: needs --inventory (or train.inventory in the config)")
     nodes = cluster.check(load_inventory(path))
@@ -428,6 +428,7 @@ def cluster_check(
         print_rows(console, rows, CLUSTER_COLUMNS, wide=wide, as_json=as_json)
         cluster.refuse_unready(nodes)
         return
+    assert cfg is not None
     found = {row["target"]: row for row in selftest.deep(cfg, nodes, nodes[0].facts["code_version"])}
     merged = [row | {k: v for k, v in found[row["target"]].items() if k != "status"} for row in rows]
     for row in merged:

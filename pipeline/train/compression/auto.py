@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from pipeline.train.compression import collectives
 from pipeline.train.compression.method import CommCounter, CommHook, Compression, Knobs, LocalBucket, Method, timed
 
 PROBE_BYTES = 512 * 1024
@@ -231,15 +232,9 @@ def encode_seconds(
     for _ in range(repeats):
         start = time.perf_counter()
         work()
-        _sync(bucket.buffer().device)
+        collectives.synchronize(bucket.buffer().device)
         best = min(best, time.perf_counter() - start)
     return best
-
-
-def _sync(device: torch.device) -> None:
-    """Wait for the GPU's queued kernels, so that a wall-clock time covers them."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_link(group: dist.ProcessGroup | None, device: torch.device, line_up: bool = True) -> LinkSample:
@@ -249,12 +244,12 @@ def time_link(group: dist.ProcessGroup | None, device: torch.device, line_up: bo
     large = torch.zeros(PROBE_BYTES // 4, device=device)
     if line_up:
         dist.all_reduce(small, group=group)
-        _sync(device)
+        collectives.synchronize(device)
     timings = []
     for tensor in (small, large):
         start = time.perf_counter()
         dist.all_reduce(tensor, group=group)
-        _sync(device)  # nccl only queues the collective on the stream
+        collectives.synchronize(device)  # nccl only queues the collective on the stream
         timings.append(time.perf_counter() - start)
     return LinkSample.from_timings(timings[0], timings[1], PROBE_BYTES)
 

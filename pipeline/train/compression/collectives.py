@@ -34,6 +34,12 @@ def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         t.detach().copy_(part.view_as(t))
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the GPU's queued kernels and collectives, so that a wall-clock time covers them."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def gatherable(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """`tensor` as the group's backend can gather it: under gloo, whose gather and all-gather take CPU tensors only
     (docs/torch-distributed.md#no-nccl-on-jetson), a CUDA tensor's copy in host memory; else the tensor itself."""

@@ -95,16 +95,19 @@ def resolve_precision(cfg: TrainConfig, device: torch.device) -> str:
     return "bf16-mixed" if bf16_gpu else "fp32"
 
 
+def local_device(local_rank: int) -> torch.device:
+    """The device a rank trains on: GPU `local_rank` where there are GPUs, whichever the backend; else the CPU."""
+    return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def init(cfg: TrainConfig) -> Runtime:
     """Join the process group torchrun describes in the environment; one GPU per local rank where there are GPUs,
     whichever the backend (a Jetson trains on its GPU with gloo's collectives: docs/torch-distributed.md
     #no-nccl-on-jetson)."""
     backend = resolve_backend(cfg)
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    device = local_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     torch.set_num_threads(cfg.threads_per_rank)
     timeout = datetime.timedelta(seconds=cfg.pg_timeout_s)
     dist.init_process_group(

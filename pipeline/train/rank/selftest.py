@@ -35,7 +35,8 @@ import models
 from pipeline.errors import PipelineError
 from pipeline.files import first_line
 from pipeline.manifest import RunDir
-from pipeline.train.rank import runtime, store
+from pipeline.train.compression import collectives
+from pipeline.train.rank import plan, runtime, store
 
 ELEMENTS = 1 << 20
 """Entries of the all-reduced tensor (4 MB of fp32: big enough to take a measurable time, small for any board)."""
@@ -56,10 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     report = {"backend": _collective(args.backend), "train_step": _guarded(_train_step, args.run_dir, args.ranks)}
     print("SELFTEST " + json.dumps(report), flush=True)
     return 0
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _collective(backend: str) -> dict[str, Any]:
@@ -88,12 +85,13 @@ def _all_reduce(backend: str, rank: int, port: int, server: dist.Store | None = 
     kv = server or dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=kv, rank=rank, world_size=2, timeout=timeout)
     try:
-        device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1)) if torch.cuda.is_available() else None
-        tensor = torch.full((ELEMENTS,), float(rank + 1), device=device or "cpu")
+        # The peer shares the device's one GPU where it has only one (gloo allows it).
+        device = runtime.local_device(rank % max(torch.cuda.device_count(), 1))
+        tensor = torch.full((ELEMENTS,), float(rank + 1), device=device)
         dist.all_reduce(tensor)  # the first one sets up the links
         started = time.perf_counter()
         dist.all_reduce(tensor)
-        _sync(tensor.device)
+        collectives.synchronize(tensor.device)
         seconds = time.perf_counter() - started
         ok = bool((tensor == 6.0).all())  # (1 + 2) summed twice
         return {"ok": ok, "device": str(tensor.device), "seconds": round(seconds, 6)} | (
@@ -108,10 +106,10 @@ def _train_step(run_dir: Path | None, ranks: int) -> dict[str, Any]:
     if run_dir is None:
         raise PipelineError("--run-dir: needed for the training step")
     cfg = RunDir(run_dir).load_config()
-    device = _device()
+    device = runtime.local_device(0)
     spec = models.spec_for(cfg.model.name)
     size = max(cfg.data.image_size, spec.min_size)
-    global_batch = cfg.train.batch_size if isinstance(cfg.train.batch_size, int) else 64
+    global_batch = cfg.train.batch_size if isinstance(cfg.train.batch_size, int) else plan.BATCH
     batch = max(1, global_batch // max(ranks, 1))
     net = models.build_model(cfg.model.name, 10, spec.channels or 3).to(device)
     optim = torch.optim.AdamW(net.parameters(), lr=1e-3)
@@ -127,7 +125,7 @@ def _train_step(run_dir: Path | None, ranks: int) -> dict[str, Any]:
         loss.backward()
         optim.step()
         optim.zero_grad(set_to_none=True)
-        _sync(device)
+        collectives.synchronize(device)
         seconds.append(time.perf_counter() - started)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     finite = bool(torch.isfinite(loss).item())
@@ -142,11 +140,6 @@ def _guarded(part: Any, *args: Any) -> dict[str, Any]:
         return part(*args)
     except Exception as err:
         return {"ok": False, "reason": first_line(err, typed=True)}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 if __name__ == "__main__":
